@@ -1,0 +1,109 @@
+"""Reference attention, written to be read.
+
+Layout everywhere in kvlib: ``(batch, heads, seq, head_dim)``.
+
+Masks are boolean with ``True`` meaning "this query may look at this key".
+When the queries are the *last* ``q_len`` positions of a ``k_len``-long
+sequence (a prefill into a non-empty cache, or a decode step), the causal
+mask is aligned to the bottom-right corner: query ``i`` sits at absolute
+position ``k_len - q_len + i`` and may see every key up to that position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_mask(q_len: int, k_len: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """``(q_len, k_len)`` bool mask, bottom-right aligned.
+
+    With ``q_len == k_len`` this is the usual lower triangle; with ``q_len == 1``
+    (a decode step) it is a single row of ``True``: the newest token sees all.
+    """
+    if q_len <= 0 or k_len <= 0:
+        raise ValueError(f"causal_mask needs positive lengths, got q_len={q_len}, k_len={k_len}")
+    if q_len > k_len:
+        raise ValueError(f"q_len={q_len} queries cannot be the last tokens of only k_len={k_len} keys")
+    offset = k_len - q_len  # absolute position of query 0
+    q_pos = torch.arange(q_len, device=device)[:, None] + offset  # (q_len, 1)
+    k_pos = torch.arange(k_len, device=device)[None, :]  # (1, k_len)
+    return k_pos <= q_pos
+
+
+def attention_mask(
+    q_len: int, k_len: int, key_valid: torch.Tensor | None = None, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Causal mask combined with an optional padding mask.
+
+    ``key_valid`` is ``(batch, k_len)`` bool, ``False`` where a key is padding.
+    Returns ``(batch or 1, 1, q_len, k_len)``, ready to broadcast over heads.
+    """
+    mask = causal_mask(q_len, k_len, device=device)[None, None]  # (1, 1, q, k)
+    if key_valid is None:
+        return mask
+    if key_valid.dtype != torch.bool or key_valid.dim() != 2 or key_valid.shape[1] != k_len:
+        raise ValueError(
+            f"key_valid must be a (batch, k_len={k_len}) bool tensor, got {tuple(key_valid.shape)} {key_valid.dtype}"
+        )
+    return mask & key_valid[:, None, None, :].to(mask.device)  # (B, 1, q, k)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Expand ``(B, H_kv, T, D)`` to ``(B, H_kv * n_rep, T, D)`` for GQA/MQA.
+
+    Query head ``h`` uses KV head ``h // n_rep``: the groups are contiguous,
+    as in Llama and Hugging Face.
+    """
+    if n_rep < 1:
+        raise ValueError(f"n_rep must be >= 1, got {n_rep}")
+    if n_rep == 1:
+        return x
+    B, H_kv, T, D = x.shape
+    x = x[:, :, None, :, :].expand(B, H_kv, n_rep, T, D)  # (B, H_kv, n_rep, T, D)
+    return x.reshape(B, H_kv * n_rep, T, D)
+
+
+def softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Numerically stable softmax: subtract the row maximum before ``exp``.
+
+    A row that is entirely ``-inf`` (a query allowed to see nothing) gives
+    zeros instead of NaN.
+    """
+    m = scores.amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows: keep exp() at 0
+    e = torch.exp(scores - m)
+    s = e.sum(dim=dim, keepdim=True)
+    return e / torch.where(s > 0, s, torch.ones_like(s))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """softmax(q kᵀ / √d) v, with GQA handled by repeating KV heads.
+
+    q: ``(B, H, Tq, D)``; k, v: ``(B, H_kv, Tk, D)`` with ``H % H_kv == 0``;
+    mask: bool, broadcastable to ``(B, H, Tq, Tk)``, ``True`` = may attend.
+    Returns ``(B, H, Tq, D)``.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, H, Tq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    H_kv = k.shape[1]
+    if H % H_kv != 0:
+        raise ValueError(f"{H} query heads cannot be split evenly over {H_kv} KV heads")
+    k, v = repeat_kv(k, H // H_kv), repeat_kv(v, H // H_kv)  # (B, H, Tk, D)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return softmax(scores, dim=-1) @ v  # (B, H, Tq, D)

@@ -1,0 +1,250 @@
+"""A Llama-style decoder with one forward path for every way of running it.
+
+``model(tokens)`` recomputes everything (the naive loop). ``model(tokens,
+cache=c)`` on an empty cache is a *prefill*; the same call with one new token
+per sequence is a *decode step*. Positions default to "right after what the
+cache holds", so the three cases share every line below.
+
+Blocks are pre-norm: RMSNorm -> attention (RoPE on q and k, GQA via
+``n_kv_head``) -> residual, RMSNorm -> SwiGLU MLP -> residual.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import attention, attention_mask
+from .cache import Cache
+from .config import ModelConfig
+
+
+class Linear(nn.Module):
+    """``y = x @ weight`` with ``weight`` stored ``(in_features, out_features)``.
+
+    ``nn.Linear`` stores the transpose, ``(out, in)``. The math is identical;
+    the layout matters for speed. A decode step multiplies one row vector by
+    every weight matrix, and on the CPUs we measured, torch's matrix-vector
+    path streamed an ``(in, out)`` matrix markedly faster than an ``(out, in)``
+    one (``python -m kvlib.bench`` reports the ratio).
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[0]}, out_features={self.weight.shape[1]}"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # normalise in fp32 even when the model runs in half precision
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for integer ``positions`` ``(B, T)``: each ``(B, 1, T, head_dim)``.
+
+    Dimension pair ``(i, i + head_dim/2)`` rotates at frequency ``base^(-2i/head_dim)``
+    (the "rotate half" layout used by Hugging Face Llama).
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, T, head_dim)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, H, T, D)`` by the angles in ``cos``/``sin`` ``(B, 1, T, D)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)  # "rotate half"
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        # q, k and v in one matmul: columns [q | k | v]
+        self.wqkv = Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim)
+        self.wo = Linear(cfg.n_head * cfg.head_dim, cfg.d_model)
+        self.impl = "sdpa"  # "sdpa" (torch's fused kernel) or "reference" (kvlib.attention)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: Cache | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # NEW: append this step's k, v; attend over everything cached
+            k, v = cache.update(self.layer, k, v)  # (B, H_kv, S, D)
+        if self.impl == "reference":
+            y = attention(q, k, v, mask)
+        elif mask is None:  # a single query, or a fresh prefill with no padding: see below
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=H != H_kv)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != H_kv)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        return self.wo(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate_up = Linear(cfg.d_model, 2 * cfg.d_ff)  # columns [gate | up]
+        self.w_down = Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder built from a `ModelConfig`."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"Transformer needs a ModelConfig, got {type(config).__name__}")
+        if config.family != "llama":
+            raise ValueError(f"kvlib only runs Llama-family models; {config.name or config.family} is for memory math")
+        self.config = config
+        with torch.device(device) if device is not None else nullcontext():
+            # With tied embeddings one (d_model, vocab) matrix serves both ends: the
+            # lm_head multiplies by it, and embedding a token reads one of its columns.
+            self.tok_emb = None if config.tie_embeddings else nn.Embedding(config.vocab_size, config.d_model)
+            self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+            self.norm = RMSNorm(config.d_model, config.norm_eps)
+            self.lm_head = Linear(config.d_model, config.vocab_size)
+        if dtype is not None:
+            self.to(dtype=dtype)
+        if self.lm_head.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Random weights (normal, std 0.02; norms at 1): for tests and toy models."""
+        g = torch.Generator(device="cpu")
+        if seed is not None:
+            g.manual_seed(seed)
+        else:
+            g.seed()
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` ids -> ``(B, T, d_model)`` vectors."""
+        if self.tok_emb is None:
+            return F.embedding(tokens, self.lm_head.weight.t())  # rows of (vocab, d_model) view
+        return self.tok_emb(tokens)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: Cache | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits ``(B, T, vocab)`` (or ``(B, 1, vocab)`` with ``last_only``).
+
+        tokens: ``(B, T)`` int ids, appended after whatever ``cache`` holds.
+        positions: ``(B, T)`` or ``(T,)`` RoPE positions; default ``past + arange(T)``.
+        key_valid: ``(B, past + T)`` bool, ``False`` on padding keys.
+        """
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"tokens must be an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be (batch, seq) with seq >= 1, got shape {tuple(tokens.shape)}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        B, T = tokens.shape
+        past = 0 if cache is None else cache.seq_len
+        if positions is None:
+            positions = torch.arange(past, past + T, device=tokens.device)
+        if positions.dim() == 1:
+            positions = positions[None].expand(B, T)  # (B, T)
+        if positions.shape != (B, T):
+            raise ValueError(f"positions must be (B, T)=({B}, {T}) or ({T},), got {tuple(positions.shape)}")
+        if past + T > self.config.max_seq_len:
+            raise ValueError(f"{past} cached + {T} new tokens exceeds max_seq_len={self.config.max_seq_len}")
+
+        # The mask. A fresh unpadded prefill is plain causal and a single-token decode step
+        # may see every key, so both pass mask=None and let SDPA take its fastest path.
+        # Everything else (prefill into a non-empty cache, padding) gets an explicit
+        # bottom-right-aligned mask.
+        mask = None
+        if key_valid is not None or (T > 1 and past > 0) or self.layers[0].attn.impl == "reference":
+            mask = attention_mask(T, past + T, key_valid, device=tokens.device)
+            if key_valid is not None:
+                # A query that may see no key at all (a left-pad token) would give NaN; let
+                # such rows see themselves. Real tokens never look at pads, so nothing leaks.
+                q_pos = torch.arange(T, device=tokens.device)[:, None] + past  # (T, 1)
+                mask = mask | (torch.arange(past + T, device=tokens.device)[None, :] == q_pos)
+
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base, dtype=self.dtype)
+        x = self.embed(tokens)  # (B, T, d_model)
+        for block in self.layers:
+            x = block(x, cos, sin, cache, mask)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, d_model): generation only needs the next token's logits
+        return self.lm_head(self.norm(x))
+
+    def set_attention_impl(self, impl: str) -> None:
+        """Switch every layer between "sdpa" and the readable "reference" attention."""
+        if impl not in ("sdpa", "reference"):
+            raise ValueError(f"attention impl must be 'sdpa' or 'reference', got {impl!r}")
+        for block in self.layers:
+            block.attn.impl = impl
