@@ -214,7 +214,7 @@ class Transformer(nn.Module):
         past = 0 if cache is None else cache.seq_len
         if positions is None:
             positions = torch.arange(past, past + T, device=tokens.device)
-        if positions.dim() == 1:
+        if positions.dim() == 1 and positions.shape[0] == T:
             positions = positions[None].expand(B, T)  # (B, T)
         if positions.shape != (B, T):
             raise ValueError(f"positions must be (B, T)=({B}, {T}) or ({T},), got {tuple(positions.shape)}")

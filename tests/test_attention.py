@@ -1,0 +1,134 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlib import attention, attention_mask, causal_mask, repeat_kv, softmax
+
+TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, different summation orders
+
+
+def naive_attention(q, k, v, mask):
+    """Loop-level definition: one query, one head at a time, with math.exp."""
+    B, H, Tq, D = q.shape
+    n_rep = H // k.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            kh, vh = k[b, h // n_rep], v[b, h // n_rep]
+            for i in range(Tq):
+                allowed = [j for j in range(kh.shape[0]) if mask is None or bool(mask[b if mask.shape[0] > 1 else 0, 0, i, j])]
+                s = [float(q[b, h, i] @ kh[j]) / math.sqrt(D) for j in allowed]
+                m = max(s)
+                w = [math.exp(x - m) for x in s]
+                z = sum(w)
+                out[b, h, i] = sum((wi / z) * vh[j] for wi, j in zip(w, allowed))
+    return out
+
+
+def test_causal_mask_is_the_lower_triangle_when_square():
+    assert torch.equal(causal_mask(4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_causal_mask_is_bottom_right_aligned():
+    # 2 new queries after 3 cached keys: query 0 is position 3, query 1 is position 4.
+    expected = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(causal_mask(2, 5), expected)
+    # a decode step sees every key
+    assert causal_mask(1, 7).all()
+
+
+def test_torch_is_causal_is_top_left_aligned_which_is_why_we_build_our_own():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    ours = attention(q, k, v, causal_mask(1, 5))
+    top_left = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(top_left, v[:, :, :1])  # sees only the first key
+    assert not torch.allclose(ours, top_left)
+
+
+@given(q_len=st.integers(1, 6), extra=st.integers(0, 6), seed=st.integers(0, 1000))
+def test_padding_free_mask_reduces_to_causal(q_len, extra, seed):
+    k_len = q_len + extra
+    all_valid = torch.ones(3, k_len, dtype=torch.bool)
+    m = attention_mask(q_len, k_len, all_valid)
+    assert m.shape == (3, 1, q_len, k_len)
+    assert torch.equal(m, causal_mask(q_len, k_len).expand(3, 1, q_len, k_len))
+
+
+def test_padding_mask_hides_pad_keys():
+    valid = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    m = attention_mask(1, 4, valid)
+    assert m[0, 0, 0].tolist() == [False, False, True, True]
+    assert m[1, 0, 0].all()
+
+
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 3), n_rep=st.integers(1, 3), Tq=st.integers(1, 4),
+       extra=st.integers(0, 4), seed=st.integers(0, 10_000))
+def test_attention_matches_loop_definition(B, H_kv, n_rep, Tq, extra, seed):
+    g = torch.Generator().manual_seed(seed)
+    D, Tk = 8, Tq + extra
+    q = torch.randn(B, H_kv * n_rep, Tq, D, generator=g)
+    k, v = torch.randn(B, H_kv, Tk, D, generator=g), torch.randn(B, H_kv, Tk, D, generator=g)
+    mask = attention_mask(Tq, Tk)
+    torch.testing.assert_close(attention(q, k, v, mask), naive_attention(q, k, v, mask), **TOL)
+
+
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 3), n_rep=st.integers(1, 4), T=st.integers(1, 5), seed=st.integers(0, 999))
+def test_repeat_kv_equals_grouped_einsum(B, H_kv, n_rep, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    D = 4
+    q = torch.randn(B, H_kv * n_rep, T, D, generator=g)
+    k = torch.randn(B, H_kv, T, D, generator=g)
+    scores_repeat = q @ repeat_kv(k, n_rep).transpose(-2, -1)
+    qg = q.view(B, H_kv, n_rep, T, D)  # query heads grouped under their KV head
+    scores_group = torch.einsum("bgrqd,bgkd->bgrqk", qg, k).reshape(B, H_kv * n_rep, T, T)
+    torch.testing.assert_close(scores_repeat, scores_group, **TOL)
+    for h in range(H_kv * n_rep):  # head h reads KV head h // n_rep
+        assert torch.equal(repeat_kv(k, n_rep)[:, h], k[:, h // n_rep])
+
+
+def test_softmax_is_stable_for_huge_logits():
+    x = torch.tensor([[1000.0, 1001.0, 1002.0]])
+    expected = torch.softmax(x - 1002.0, dim=-1)
+    torch.testing.assert_close(softmax(x), expected)
+    assert torch.isfinite(softmax(x)).all()
+    naive = torch.exp(x) / torch.exp(x).sum()  # overflows to inf/inf = nan
+    assert torch.isnan(naive).any()
+
+
+def test_fully_masked_row_gives_zeros_not_nan():
+    x = torch.full((1, 3), float("-inf"))
+    assert torch.equal(softmax(x), torch.zeros(1, 3))
+
+
+def test_attention_matches_torch_sdpa_with_gqa():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 6, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    mask = attention_mask(3, 7)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(attention(q, k, v, mask), ref, **TOL)
+
+
+@pytest.mark.parametrize(
+    "q_shape,k_shape,match",
+    [
+        ((1, 4, 2, 8), (1, 3, 2, 8), "4 query heads cannot be split evenly over 3 KV heads"),
+        ((1, 4, 2, 8), (1, 2, 2, 4), "disagree on batch or head_dim"),
+        ((4, 2, 8), (1, 2, 2, 8), "must be 4-D"),
+    ],
+)
+def test_bad_attention_shapes(q_shape, k_shape, match):
+    with pytest.raises(ValueError, match=match):
+        attention(torch.randn(q_shape), torch.randn(k_shape), torch.randn(k_shape))
+
+
+def test_bad_mask_arguments():
+    with pytest.raises(ValueError, match="q_len=5 queries cannot be the last tokens of only k_len=3"):
+        causal_mask(5, 3)
+    with pytest.raises(ValueError, match="key_valid must be a"):
+        attention_mask(1, 4, torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="n_rep must be >= 1"):
+        repeat_kv(torch.randn(1, 1, 1, 1), 0)

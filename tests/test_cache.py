@@ -1,0 +1,184 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlib import DynamicCache, StaticCache
+
+L, B, H, D = 3, 2, 2, 4
+
+
+def kv(T, seed=0, b=B, h=H, d=D, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, T, d, generator=g).to(dtype), torch.randn(b, h, T, d, generator=g).to(dtype)
+
+
+def fill(cache, chunks):
+    """Push the same chunks into every layer; return the reference full tensors per layer."""
+    outs = None
+    for step, T in enumerate(chunks):
+        for layer in range(cache.n_layer):
+            k, v = kv(T, seed=100 * step + layer)
+            outs = cache.update(layer, k, v)
+    return outs
+
+
+def reference(chunks, layer):
+    ks, vs = zip(*[kv(T, seed=100 * step + layer) for step, T in enumerate(chunks)])
+    return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+@given(chunks=st.lists(st.integers(1, 5), min_size=1, max_size=6), grow=st.booleans())
+def test_static_equals_dynamic_equals_concatenation(chunks, grow):
+    total = sum(chunks)
+    dyn = DynamicCache(L)
+    sta = StaticCache(L, B, H, 1 if grow else total, D, grow=grow)
+    fill(dyn, chunks)
+    fill(sta, chunks)
+    assert dyn.seq_len == sta.seq_len == total
+    for layer in range(L):
+        k_ref, v_ref = reference(chunks, layer)
+        for cache in (dyn, sta):
+            k, v = cache.layer_kv(layer)
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_update_returns_everything_so_far():
+    cache = StaticCache(1, B, H, 8, D)
+    k1, v1 = kv(3, seed=1)
+    k2, v2 = kv(1, seed=2)
+    cache.update(0, k1, v1)
+    k_all, v_all = cache.update(0, k2, v2)
+    assert torch.equal(k_all, torch.cat([k1, k2], dim=2)) and torch.equal(v_all, torch.cat([v1, v2], dim=2))
+
+
+def test_growth_doubles_and_keeps_contents():
+    cache = StaticCache(L, B, H, 2, D, grow=True)
+    caps = []
+    for step in range(9):
+        for layer in range(L):
+            cache.update(layer, *kv(1, seed=100 * step + layer))
+        caps.append(cache.capacity)
+    assert caps == [2, 2, 4, 4, 8, 8, 8, 8, 16]
+    for layer in range(L):
+        k_ref, v_ref = reference([1] * 9, layer)
+        k, v = cache.layer_kv(layer)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_overflow_without_growth_is_a_clear_error():
+    cache = StaticCache(1, B, H, 4, D)
+    cache.update(0, *kv(3))
+    with pytest.raises(IndexError, match=r"3 tokens cached \+ 2 new > max_len=4.*grow=True"):
+        cache.update(0, *kv(2))
+
+
+@pytest.mark.parametrize("make", [lambda: DynamicCache(L), lambda: StaticCache(L, B, H, 16, D)])
+def test_crop_and_reset(make):
+    cache = make()
+    fill(cache, [5, 2])
+    cache.crop(4)
+    assert cache.seq_len == 4
+    k_ref, _ = reference([5, 2], 1)
+    assert torch.equal(cache.layer_kv(1)[0], k_ref[:, :, :4])
+    cache.crop(-1)  # negative: drop from the end, like HF's crop
+    assert cache.seq_len == 3
+    cache.crop(10)  # keep at most 10: nothing to do
+    assert cache.seq_len == 3
+    # appending after a crop continues from the cropped length
+    k_new, v_new = kv(1, seed=9)
+    k_all, _ = cache.update(0, k_new, v_new)
+    assert torch.equal(k_all, torch.cat([reference([5, 2], 0)[0][:, :, :3], k_new], dim=2))
+    with pytest.raises(IndexError, match="cannot drop 10 tokens"):
+        cache.crop(-10)
+    cache.reset()
+    assert cache.seq_len == 0 and cache.layer_kv(0) is None
+    fill(cache, [2])
+    assert cache.seq_len == 2
+
+
+@pytest.mark.parametrize("cls", [DynamicCache, StaticCache])
+def test_legacy_round_trip(cls):
+    src = DynamicCache(L)
+    fill(src, [3, 1])
+    past = src.to_legacy()
+    assert isinstance(past, tuple) and len(past) == L and all(len(p) == 2 for p in past)
+    rebuilt = cls.from_legacy(past)
+    again = rebuilt.to_legacy()
+    for (k0, v0), (k1, v1) in zip(past, again):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    # and it keeps working as a cache afterwards (a static one needs room)
+    rebuilt = cls.from_legacy(past) if cls is DynamicCache else cls.from_legacy(past, max_len=8)
+    rebuilt.update(0, *kv(1, seed=5))
+    assert rebuilt.get_seq_len(0) == 5
+
+
+def test_empty_cache_has_no_legacy_form():
+    with pytest.raises(ValueError, match="layer 0 is empty"):
+        DynamicCache(2).to_legacy()
+    with pytest.raises(TypeError, match="past_key_values"):
+        DynamicCache.from_legacy(((torch.zeros(1),),))
+
+
+@pytest.mark.parametrize("dtype,nbytes_per", [(torch.float32, 4), (torch.float16, 2), (torch.bfloat16, 2)])
+def test_nbytes_formula(dtype, nbytes_per):
+    S, max_len = 7, 12
+    dyn = DynamicCache(L)
+    sta = StaticCache(L, B, H, max_len, D, dtype=dtype)
+    for layer in range(L):
+        dyn.update(layer, *kv(S, dtype=dtype))
+        sta.update(layer, *kv(S, dtype=dtype))
+    assert dyn.nbytes == 2 * L * B * H * S * D * nbytes_per  # grows with what is stored
+    assert sta.nbytes == 2 * L * B * H * max_len * D * nbytes_per  # the whole reservation
+
+
+# -- bad input: one test each -----------------------------------------------------------
+@pytest.fixture(params=["dynamic", "static"])
+def filled(request):
+    cache = DynamicCache(L) if request.param == "dynamic" else StaticCache(L, B, H, 16, D)
+    cache.update(0, *kv(2))
+    return cache
+
+
+def test_mismatched_batch(filled):
+    with pytest.raises(ValueError, match="batch=2 but update\\(layer=1\\) got batch=3"):
+        filled.update(1, *kv(1, b=3))
+
+
+def test_mismatched_heads(filled):
+    with pytest.raises(ValueError, match="kv_heads=2 but update\\(layer=0\\) got kv_heads=4"):
+        filled.update(0, *kv(1, h=4))
+
+
+def test_mismatched_head_dim(filled):
+    with pytest.raises(ValueError, match="head_dim=4 but update\\(layer=0\\) got head_dim=8"):
+        filled.update(0, *kv(1, d=8))
+
+
+def test_mismatched_dtype(filled):
+    with pytest.raises(TypeError, match="holds torch.float32 but update\\(layer=0\\) got torch.float16"):
+        filled.update(0, *kv(1, dtype=torch.float16))
+
+
+def test_mismatched_device(filled):
+    k, v = kv(1)
+    with pytest.raises(TypeError, match="lives on cpu but update\\(layer=0\\) got a tensor on meta"):
+        filled.update(0, k.to("meta"), v.to("meta"))
+
+
+def test_k_and_v_shapes_must_agree(filled):
+    k, _ = kv(1)
+    with pytest.raises(ValueError, match="k and v must both be"):
+        filled.update(0, k, torch.randn(B, H, 2, D))
+
+
+def test_layer_out_of_range(filled):
+    with pytest.raises(IndexError, match="layer 3 is out of range for a cache of 3 layers"):
+        filled.update(3, *kv(1))
+
+
+def test_bad_static_sizes():
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        StaticCache(2, 1, 1, 0, 4)
+    with pytest.raises(ValueError, match="n_layer must be a positive int"):
+        DynamicCache(0)

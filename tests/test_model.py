@@ -1,0 +1,161 @@
+"""Cached decode must compute what full recompute computes."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvlib
+from kvlib import DynamicCache, ModelConfig, StaticCache, Transformer
+
+# Cached and uncached paths differ only in summation order (one prefill GEMM vs many
+# matrix-vector products), so fp32 logits agree to ~1e-6 relative; we allow 1e-4.
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def tiny(n_layer=2, n_head=4, n_kv_head=2, head_dim=8, vocab=97, tied=False, seed=0):
+    cfg = ModelConfig(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, d_model=n_head * head_dim,
+                      d_ff=3 * n_head * head_dim, vocab_size=vocab, max_seq_len=128, tie_embeddings=tied)
+    model = Transformer(cfg)
+    model.reset_parameters(seed=seed)
+    # std-0.02 weights give nearly flat logits; scale up so argmax ties are impossible
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(10)
+    return model.eval()
+
+
+configs = st.builds(
+    dict,
+    n_layer=st.integers(1, 3),
+    n_kv_head=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 2, 3]),  # n_head = n_kv_head * group: MHA (1), GQA, MQA when n_kv_head == 1
+    tied=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+
+
+def build(c):
+    return tiny(n_layer=c["n_layer"], n_head=c["n_kv_head"] * c["group"], n_kv_head=c["n_kv_head"], tied=c["tied"], seed=c["seed"])
+
+
+@given(c=configs, batch=st.integers(1, 3), prompt=st.integers(1, 6), steps=st.integers(1, 6),
+       kind=st.sampled_from(["dynamic", "static", "static-grow"]))
+def test_cached_logits_equal_full_recompute(c, batch, prompt, steps, kind):
+    model = build(c)
+    cfg = model.config
+    g = torch.Generator().manual_seed(c["seed"])
+    tokens = torch.randint(0, cfg.vocab_size, (batch, prompt + steps), generator=g)
+    with torch.inference_mode():
+        full = model(tokens)  # (B, T, V): every position recomputed at once
+        cache = {"dynamic": DynamicCache(cfg.n_layer),
+                 "static": StaticCache.for_model(cfg, batch, prompt + steps),
+                 "static-grow": StaticCache.for_model(cfg, batch, 1, grow=True)}[kind]
+        pieces = [model(tokens[:, :prompt], cache)]  # prefill
+        for t in range(prompt, prompt + steps):  # one decode step per token
+            pieces.append(model(tokens[:, t:t + 1], cache))
+    assert cache.seq_len == prompt + steps
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **TOL)
+
+
+@given(c=configs, batch=st.integers(1, 3), prompt=st.integers(1, 5), n=st.integers(1, 8))
+def test_cached_greedy_tokens_equal_naive(c, batch, prompt, n):
+    model = build(c)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(c["seed"]))
+    naive = kvlib.generate_naive(model, ids, n)
+    assert naive.shape == (batch, prompt + n)
+    for cache in (None, DynamicCache(model.config.n_layer), StaticCache.for_model(model.config, batch, prompt + n)):
+        assert torch.equal(kvlib.generate(model, ids, n, cache=cache), naive)
+
+
+def test_prefill_into_a_nonempty_cache_uses_a_bottom_right_mask():
+    """Chunked prefill: 3 tokens, then 4 at once. The second chunk needs the offset mask."""
+    model = tiny()
+    tokens = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full = model(tokens)
+        cache = DynamicCache(model.config.n_layer)
+        chunked = torch.cat([model(tokens[:, :3], cache), model(tokens[:, 3:], cache)], dim=1)
+    torch.testing.assert_close(chunked, full, **TOL)
+
+
+def test_reference_attention_path_equals_sdpa_path():
+    model = tiny(n_head=6, n_kv_head=2)
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        fast = model(tokens)
+        model.set_attention_impl("reference")
+        slow = model(tokens)
+        cache = StaticCache.for_model(model.config, 2, 9)
+        slow_cached = torch.cat([model(tokens[:, :5], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(5, 9)], 1)
+    torch.testing.assert_close(slow, fast, **TOL)
+    torch.testing.assert_close(slow_cached, fast, **TOL)
+
+
+def test_explicit_positions_and_padding_match_unpadded_run():
+    """A left-padded row, given its own positions and a padding mask, computes what it computes alone."""
+    model = tiny()
+    short = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(5))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)  # 3 pad tokens on the left
+    valid = torch.tensor([[False] * 3 + [True] * 4])
+    positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3]])
+    with torch.inference_mode():
+        alone = model(short)
+        out = model(padded, positions=positions, key_valid=valid)
+    assert torch.isfinite(out).all()  # pad queries see themselves, so no NaN anywhere
+    torch.testing.assert_close(out[:, 3:], alone, **TOL)
+
+
+def test_last_only_returns_the_last_position():
+    model = tiny()
+    tokens = torch.randint(0, 97, (2, 5))
+    with torch.inference_mode():
+        last = model(tokens, last_only=True)
+    assert last.shape == (2, 1, 97)
+    torch.testing.assert_close(last, model(tokens)[:, -1:].detach(), rtol=1e-6, atol=1e-6)  # a (1, d) vs (T, d) matmul
+
+
+def test_tied_embeddings_share_one_matrix():
+    model = tiny(tied=True)
+    assert model.tok_emb is None
+    tokens = torch.tensor([[3, 5]])
+    assert torch.equal(model.embed(tokens)[0, 1], model.lm_head.weight[:, 5])
+
+
+# -- bad input -----------------------------------------------------------------------------
+def test_token_outside_vocab():
+    model = tiny()
+    with pytest.raises(IndexError, match=r"token id 97 is outside the vocabulary \[0, 97\)"):
+        model(torch.tensor([[1, 97]]))
+    with pytest.raises(IndexError, match="token id -1"):
+        model(torch.tensor([[-1]]))
+
+
+def test_tokens_must_be_a_2d_int_tensor():
+    model = tiny()
+    with pytest.raises(TypeError, match="int64/int32 tensor"):
+        model(torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(ValueError, match=r"\(batch, seq\) with seq >= 1"):
+        model(torch.tensor([1, 2]))
+
+
+def test_model_rejects_sequences_past_max_seq_len():
+    model = tiny()
+    with pytest.raises(ValueError, match="exceeds max_seq_len=128"):
+        model(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_bad_positions_shape():
+    with pytest.raises(ValueError, match=r"positions must be \(B, T\)=\(1, 3\)"):
+        tiny()(torch.zeros(1, 3, dtype=torch.long), positions=torch.arange(4))
+
+
+def test_gpt2_preset_is_for_memory_math_only():
+    with pytest.raises(ValueError, match="memory math"):
+        Transformer(kvlib.PRESETS["gpt2"], device="meta")
+
+
+def test_bad_attention_impl():
+    with pytest.raises(ValueError, match="'sdpa' or 'reference'"):
+        tiny().set_attention_impl("flash")
