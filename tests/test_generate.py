@@ -1,0 +1,193 @@
+import pytest
+import torch
+
+import kvlib
+from kvlib import DynamicCache, ModelConfig, StaticCache, Transformer
+from kvlib.generate import sample
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=64)
+    m = Transformer(cfg)
+    m.reset_parameters(seed=0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(10)  # sharp logits: no argmax ties
+    return m.eval()
+
+
+# -- sampling -------------------------------------------------------------------------------
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0], [2.0, 0.0, 1.0]])
+    assert sample(logits).tolist() == [1, 0]
+
+
+def test_top_k_never_leaves_the_top_k():
+    logits = torch.arange(10.0).expand(4, 10)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(logits, temperature=5.0, top_k=3, generator=g) for _ in range(300)])
+    assert set(draws.unique().tolist()) == {7, 8, 9}  # all three reachable, nothing else
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(logits, temperature=1.0, top_p=0.8, generator=g) for _ in range(400)])
+    # 0.5 < 0.8, 0.5 + 0.3 reaches 0.8: the nucleus is {0, 1}
+    assert set(draws.unique().tolist()) == {0, 1}
+    draws = torch.stack([sample(logits, temperature=1.0, top_p=0.81, generator=g) for _ in range(400)])
+    assert set(draws.unique().tolist()) == {0, 1, 2}
+
+
+def test_sampling_frequencies_follow_the_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    g = torch.Generator().manual_seed(1)
+    n = 20_000
+    draws = sample(logits.expand(n, 3), temperature=1.0, generator=g)
+    freq = torch.bincount(draws, minlength=3).float() / n
+    torch.testing.assert_close(freq, logits.softmax(-1)[0], atol=0.015, rtol=0)  # ~4 std devs
+
+
+def test_sampled_generation_is_reproducible_and_seed_dependent(model):
+    ids = [1, 2, 3]
+    run = lambda seed: kvlib.generate(model, ids, 12, temperature=1.5, top_k=20, top_p=0.9,
+                                      generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(run(7), run(7))
+    assert not torch.equal(run(7), run(8))
+
+
+def test_sampled_cached_equals_sampled_naive(model):
+    kw = dict(temperature=1.0, top_k=10, top_p=0.95)
+    a = kvlib.generate(model, [4, 5], 10, generator=torch.Generator().manual_seed(3), **kw)
+    b = kvlib.generate_naive(model, [4, 5], 10, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(a, b)
+
+
+# -- the public entry points ----------------------------------------------------------------
+def test_generate_returns_prompt_plus_new_tokens(model):
+    out = kvlib.generate(model, [1, 2, 3], 5)
+    assert out.shape == (1, 8) and out.dtype == torch.long
+    assert out[0, :3].tolist() == [1, 2, 3]
+    batch = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    out = kvlib.generate(model, batch, 4)
+    assert out.shape == (2, 7) and torch.equal(out[:, :3], batch)
+
+
+def test_batched_rows_equal_rows_alone(model):
+    batch = torch.tensor([[1, 2, 3], [7, 8, 9]])
+    both = kvlib.generate(model, batch, 6)
+    for i in range(2):
+        assert torch.equal(both[i], kvlib.generate(model, batch[i].tolist(), 6)[0])
+
+
+def test_stream_yields_the_same_tokens_as_generate(model):
+    out = kvlib.generate(model, [3, 1], 7)
+    streamed = list(kvlib.stream(model, [3, 1], 7))
+    assert all(isinstance(t, int) for t in streamed)
+    assert streamed == out[0, 2:].tolist()
+    rows = list(kvlib.stream(model, torch.tensor([[3, 1]]), 7))
+    assert all(t.shape == (1,) for t in rows)
+
+
+def test_stream_yields_before_generation_finishes(model):
+    it = kvlib.stream(model, [3, 1], 50)
+    first = next(it)  # produced without running the remaining steps
+    assert isinstance(first, int)
+    assert not torch.is_inference_mode_enabled()  # the generator does not leak inference mode while suspended
+
+
+def test_stop_token_ends_generation(model):
+    full = kvlib.generate(model, [1, 2], 10)[0, 2:].tolist()
+    stop_tok = full[3]
+    first = full.index(stop_tok)
+    out = kvlib.generate(model, [1, 2], 10, stop=stop_tok)
+    assert out[0, 2:].tolist() == full[: first + 1]  # includes the stop token, then ends
+    assert list(kvlib.stream(model, [1, 2], 10, stop=[999_999, stop_tok])) == full[: first + 1]
+
+
+def test_finished_rows_are_padded_with_their_stop_token(model):
+    batch = torch.tensor([[1, 2], [9, 9]])
+    free = kvlib.generate(model, batch, 8)
+    stop_tok = int(free[0, 3])  # row 0 hits it at step 1 (or earlier)
+    out = kvlib.generate(model, batch, 8, stop=stop_tok)
+    row0 = out[0, 2:].tolist()
+    k = row0.index(stop_tok)
+    assert all(t == stop_tok for t in row0[k:])
+    assert row0[:k] == free[0, 2:2 + k].tolist()
+
+
+def test_max_new_tokens_zero_returns_the_prompt(model):
+    assert kvlib.generate(model, [1, 2], 0).tolist() == [[1, 2]]
+    assert list(kvlib.stream(model, [1, 2], 0)) == []
+
+
+def test_a_cache_passed_in_continues_a_conversation(model):
+    cache = DynamicCache(model.config.n_layer)
+    first = kvlib.generate(model, [1, 2, 3], 4, cache=cache)
+    assert cache.seq_len == 3 + 4 - 1  # the last sampled token has not been fed yet
+    last = first[:, -1:]
+    second = kvlib.generate(model, torch.cat([last, torch.tensor([[5]])], 1), 3, cache=cache)
+    whole = kvlib.generate_naive(model, torch.cat([first, torch.tensor([[5]])], 1), 3)
+    assert torch.equal(second[:, 2:], whole[:, -3:])
+
+
+# -- bad input: one test each ---------------------------------------------------------------
+def test_empty_prompt(model):
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        kvlib.generate(model, [], 3)
+
+
+def test_prompt_token_outside_vocab(model):
+    with pytest.raises(IndexError, match=r"prompt token id 50 is outside the vocabulary \[0, 50\)"):
+        kvlib.generate(model, [1, 50], 3)
+
+
+def test_negative_max_new_tokens(model):
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -1"):
+        kvlib.generate(model, [1], -1)
+
+
+def test_negative_temperature(model):
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        kvlib.generate(model, [1], 3, temperature=-0.5)
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1.5, -0.1])
+def test_top_p_outside_unit_interval(model, top_p):
+    with pytest.raises(ValueError, match=r"top_p must lie in \(0, 1\]"):
+        kvlib.generate(model, [1], 3, temperature=1.0, top_p=top_p)
+
+
+def test_bad_top_k(model):
+    with pytest.raises(ValueError, match="top_k must be a positive int"):
+        kvlib.generate(model, [1], 3, temperature=1.0, top_k=0)
+
+
+def test_errors_come_at_call_time_for_stream(model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        kvlib.stream(model, [1], -2)  # not deferred to the first next()
+
+
+def test_too_long_for_the_model(model):
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+        kvlib.generate(model, [1] * 60, 5)
+
+
+def test_prompt_of_wrong_type(model):
+    with pytest.raises(TypeError, match="list\\[int\\] or a LongTensor"):
+        kvlib.generate(model, "hello", 3)
+    with pytest.raises(TypeError, match="integer token ids"):
+        kvlib.generate(model, torch.tensor([[1.0, 2.0]]), 3)
+
+
+def test_too_small_cache(model):
+    with pytest.raises(IndexError, match="StaticCache overflow"):
+        kvlib.generate(model, [1, 2], 5, cache=StaticCache.for_model(model.config, 1, 4))
+
+
+def test_naive_takes_no_cache(model):
+    with pytest.raises(ValueError, match="uses no cache"):
+        kvlib.generate_naive(model, [1], 2, cache=DynamicCache(2))

@@ -1,0 +1,120 @@
+"""kvlib against an outside implementation: Hugging Face transformers, same weights."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvlib
+from kvlib.hf import config_from_hf, from_hf
+
+# fp32, same weights, different kernels and summation orders (fused vs separate matmuls,
+# (in, out) vs (out, in) layout): logits agree to about 1e-5 of their scale.
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def random_hf_llama(n_layer, n_head, n_kv_head, head_dim, tied, seed):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=101, hidden_size=n_head * head_dim, intermediate_size=48, num_hidden_layers=n_layer,
+        num_attention_heads=n_head, num_key_value_heads=n_kv_head, max_position_embeddings=64,
+        rope_theta=500.0 + seed, rms_norm_eps=1e-6, tie_word_embeddings=tied, attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF inits norms at 1; randomise them so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@given(n_layer=st.integers(1, 3), n_kv_head=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3]),
+       tied=st.booleans(), seed=st.integers(0, 1000), batch=st.integers(1, 2), T=st.integers(1, 12))
+def test_random_llama_logits_match_hf(n_layer, n_kv_head, group, tied, seed, batch, T):
+    hf = random_hf_llama(n_layer, n_kv_head * group, n_kv_head, 8, tied, seed)
+    ours = from_hf(hf)
+    assert ours.config.n_kv_head == n_kv_head and ours.config.tie_embeddings == tied
+    ids = torch.randint(0, 101, (batch, T), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        ref = hf(ids).logits
+        torch.testing.assert_close(ours(ids), ref, **TOL)
+        # and the cached path, token by token, against HF's full forward
+        cache = kvlib.DynamicCache(n_layer)
+        steps = torch.cat([ours(ids[:, t:t + 1], cache) for t in range(T)], dim=1)
+        torch.testing.assert_close(steps, ref, **TOL)
+
+
+def test_random_llama_greedy_tokens_match_hf_generate():
+    hf = random_hf_llama(2, 4, 2, 16, False, seed=11)
+    ours = from_hf(hf)
+    ids = torch.tensor([[5, 17, 42, 8]])
+    ref = hf.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(kvlib.generate(ours, ids, 20), ref)
+
+
+def test_config_from_hf_reads_rope_and_heads():
+    hf = random_hf_llama(2, 6, 2, 8, True, seed=3)
+    c = config_from_hf(hf.config)
+    assert (c.n_layer, c.n_head, c.n_kv_head, c.head_dim, c.rope_base, c.tie_embeddings) == (2, 6, 2, 8, 503.0, True)
+
+
+# -- the real model ------------------------------------------------------------------------------
+PROMPTS = [
+    "The history of the Roman Empire began when",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "A key-value cache speeds up transformer inference because",
+]
+
+
+@pytest.mark.smollm2
+def test_smollm2_weights_equal_hf_gguf_loader(smollm2, hf_smollm2):
+    """Our GGUF reader (dequantize + undo llama.cpp's q/k permutation) vs transformers' loader."""
+    ours, _ = smollm2
+    hf, _ = hf_smollm2
+    reference = from_hf(hf)
+    for (name, a), (name_b, b) in zip(ours.state_dict().items(), reference.state_dict().items()):
+        assert name == name_b
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_smollm2_greedy_64_tokens_identical_to_hf(smollm2, hf_smollm2, prompt):
+    ours, tok = smollm2
+    hf, _ = hf_smollm2
+    ids = torch.tensor([tok.encode(prompt)])
+    ref = hf.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    out = kvlib.generate(ours, ids, 64)
+    assert out.shape == ref.shape == (1, ids.shape[1] + 64)
+    assert torch.equal(out, ref), f"first difference at new token {int((out != ref).nonzero()[0, 1]) - ids.shape[1]}"
+    with torch.inference_mode():  # last-position logits of the full sequence, both models
+        torch.testing.assert_close(ours(out, last_only=True)[:, -1], hf(out).logits[:, -1], rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.smollm2
+def test_smollm2_batched_logits_match_hf(smollm2, hf_smollm2):
+    ours, tok = smollm2
+    hf, _ = hf_smollm2
+    ids = torch.tensor([tok.encode(p)[:8] for p in PROMPTS])
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.smollm2
+def test_tokenizer_matches_hf(smollm2, hf_smollm2):
+    _, tok = smollm2
+    _, hf_tok = hf_smollm2
+    texts = PROMPTS + ["Ünïcödé, emoji 🤖 and  double  spaces\n\ttabs", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False)
+        assert tok.decode(tok.encode(text)) == text
+    messages = [{"role": "user", "content": "What is a KV cache?"}]
+    ref = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert tok.apply_chat_template(messages) == list(ref)
+    with_system = [{"role": "system", "content": "Be brief."}] + messages
+    ref = hf_tok.apply_chat_template(with_system, add_generation_prompt=False, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert tok.apply_chat_template(with_system, add_generation_prompt=False) == list(ref)
+    assert (tok.bos_id, tok.eos_id) == (hf_tok.bos_token_id, hf_tok.eos_token_id)
