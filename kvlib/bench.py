@@ -1,0 +1,324 @@
+"""Measure the book's performance claims on this machine, all in one run.
+
+    python -m kvlib.bench [--json PATH] [--quick] [--threads N]
+
+(a) cached vs naive generation on SmolLM2, (b) per-token decode latency as the
+context grows, (c) kvlib vs Hugging Face ``generate`` on the same weights, and
+(d) a roofline: how close a decode step gets to the memory bandwidth that a
+plain matrix-vector product achieves. Timings are medians of wall-clock
+``time.perf_counter``; CPUs are noisy, so read ratios, not absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import cost
+from .cache import StaticCache
+from .generate import decode_step, generate, generate_naive, prefill
+from .model import Transformer
+from .pretrained import load_smollm2, smollm2_gguf_path
+
+PROMPT_TEXT = (
+    "The printing press changed Europe in ways its inventor could not have foreseen. Before Gutenberg, "
+    "a book was copied by hand, one page at a time, and a large library held a few hundred volumes. "
+    "Within fifty years of his first Bible, printers in more than two hundred towns had produced millions "
+    "of books, and ideas that once travelled at the pace of a scribe now crossed the continent in months."
+)
+MATVEC_BIG = 8192  # a square fp32 matrix of 256 MiB: far larger than any CPU cache
+MATVEC_SMALL = (576, 1728)  # a SmolLM2-sized (in, out) matrix...
+MATVEC_COUNT = 60  # ...times 60 distinct copies, so that they do not sit in cache
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompt_len: int
+    new_tokens: tuple[int, ...]
+    contexts: tuple[int, ...]
+    hf_tokens: int
+    cached_repeats: int
+    naive_repeats: int
+    decode_steps: int
+    matvec_repeats: int
+
+
+FULL = Plan(64, (32, 64, 128, 256), (64, 256, 1024), 64, 3, 1, 20, 10)
+QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 3)
+
+
+# -- timing -------------------------------------------------------------------------------
+def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:
+    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed (seconds)."""
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median": statistics.median(times), "min": min(times), "all": times}
+
+
+def prompt_ids(tok, n: int) -> torch.Tensor:
+    """The first ``n`` token ids of `PROMPT_TEXT`, as a ``(1, n)`` LongTensor."""
+    ids = tok.encode(PROMPT_TEXT)
+    if not 1 <= n <= len(ids):
+        raise ValueError(f"prompt length must lie in [1, {len(ids)}] (PROMPT_TEXT's tokens), got {n}")
+    return torch.tensor([ids[:n]])
+
+
+def time_generation(
+    model: Transformer, ids: torch.Tensor, n: int, naive: bool = False, *, warmup: int = 0, repeats: int = 1
+) -> tuple[torch.Tensor, dict]:
+    """Greedy ``generate`` (or ``generate_naive``) of ``n`` tokens: (last output, timings)."""
+    run = generate_naive if naive else generate
+    outs = []
+    timing = timeit(lambda: outs.append(run(model, ids, n)), warmup=warmup, repeats=repeats)
+    return outs[-1], timing
+
+
+def decode_latency(model: Transformer, ids: torch.Tensor, context: int, steps: int) -> dict:
+    """Time single decode steps with exactly ``context`` tokens cached.
+
+    The cache is filled by one prefill (``ids`` repeated to length), and cropped
+    back to ``context`` after every step, so each step sees the same context.
+    """
+    filler = ids.repeat(1, -(-context // ids.shape[1]))[:, :context]
+    cache = StaticCache.for_model(model.config, 1, context + 1, dtype=model.dtype, device=model.device)
+    prefill(model, filler, cache)
+    tok = filler[:, -1]
+
+    def step() -> None:
+        decode_step(model, tok, cache)
+        cache.crop(context)  # a list update: negligible next to the step
+
+    return timeit(step, warmup=2, repeats=steps)
+
+
+def matvec_bandwidth(in_features: int, out_features: int, count: int, layout: str, repeats: int) -> float:
+    """GB/s for ``x @ W`` over ``count`` distinct fp32 matrices, one vector ``x``.
+
+    ``layout="in_out"`` stores W ``(in, out)`` and computes ``x @ W`` (kvlib's Linear);
+    ``"out_in"`` stores ``(out, in)`` and calls ``F.linear(x, W)`` (nn.Linear).
+    """
+    if layout not in ("in_out", "out_in"):
+        raise ValueError(f"layout must be 'in_out' or 'out_in', got {layout!r}")
+    shape = (in_features, out_features) if layout == "in_out" else (out_features, in_features)
+    mats = [torch.randn(shape) for _ in range(count)]
+    x = torch.randn(1, in_features)
+    op = torch.matmul if layout == "in_out" else F.linear
+
+    def sweep() -> None:
+        for w in mats:
+            op(x, w)
+
+    return sum(w.nbytes for w in mats) / timeit(sweep, warmup=2, repeats=repeats)["median"] / 1e9
+
+
+def load_hf_smollm2():
+    """The same GGUF weights in transformers, fp32, with its logging and progress bars off."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    path = smollm2_gguf_path()
+    with contextlib.redirect_stderr(io.StringIO()):  # the GGUF dequantizer's own tqdm bar
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return hf.eval()
+
+
+def hf_vs_kvlib(model: Transformer, hf, ids: torch.Tensor, n: int, repeats: int = 3) -> dict:
+    """Tokens/s of HF and kvlib greedy generation, runs alternated so noise hits both."""
+    mask = torch.ones_like(ids)
+    runs = {
+        "hf": lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False),
+        "kvlib": lambda: generate(model, ids, n),
+    }
+    times, outs = {k: [] for k in runs}, {}
+    for _ in range(1 + repeats):  # the first round is warmup
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            outs[name] = run()
+            times[name].append(time.perf_counter() - t0)
+    hf_tps = n / statistics.median(times["hf"][1:])
+    kv_tps = n / statistics.median(times["kvlib"][1:])
+    same = torch.equal(outs["hf"], outs["kvlib"])
+    return {"new_tokens": n, "hf_tok_s": hf_tps, "kvlib_tok_s": kv_tps, "ratio": kv_tps / hf_tps, "identical": same}
+
+
+# -- the four sections ----------------------------------------------------------------------
+def bench_generation(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
+    generate(model, ids, 4)  # warm up the allocator and kernels once for the whole section
+    generate_naive(model, ids, 2)
+    out = {}
+    for n in plan.new_tokens:
+        a, tc = time_generation(model, ids, n, repeats=plan.cached_repeats)
+        b, tn = time_generation(model, ids, n, naive=True, repeats=plan.naive_repeats)
+        out[str(n)] = {"cached_s": tc["median"], "naive_s": tn["median"], "speedup": tn["median"] / tc["median"],
+                       "identical": torch.equal(a, b),
+                       "flops_ratio": cost.naive_flops(model.config, ids.shape[1], n) / cost.cached_flops(model.config, ids.shape[1], n)}
+    return out
+
+
+def bench_decode(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
+    out = {str(c): {"ms": 1e3 * decode_latency(model, ids, c, plan.decode_steps)["median"]} for c in plan.contexts}
+    first = out[str(plan.contexts[0])]["ms"]
+    for row in out.values():
+        row["ratio"] = row["ms"] / first
+    return out
+
+
+def bench_roofline(config, decode: dict, plan: Plan) -> dict:
+    big, (si, so) = MATVEC_BIG, MATVEC_SMALL
+    out = {
+        "big_in_out_gbs": matvec_bandwidth(big, big, 1, "in_out", plan.matvec_repeats),
+        "big_out_in_gbs": matvec_bandwidth(big, big, 1, "out_in", plan.matvec_repeats),
+        "small_in_out_gbs": matvec_bandwidth(si, so, MATVEC_COUNT, "in_out", plan.matvec_repeats),
+        "small_out_in_gbs": matvec_bandwidth(si, so, MATVEC_COUNT, "out_in", plan.matvec_repeats),
+    }
+    for ctx in (plan.contexts[0], plan.contexts[-1]):
+        nbytes = cost.decode_bytes_per_token(config, ctx)
+        gbs = nbytes / (decode[str(ctx)]["ms"] / 1e3) / 1e9
+        out[f"decode_ctx{ctx}"] = {"bytes": nbytes, "gbs": gbs, "fraction": gbs / out["big_in_out_gbs"]}
+    return out
+
+
+# -- reporting ------------------------------------------------------------------------------
+def machine_info(threads: int) -> dict:
+    return {"torch": torch.__version__, "threads": threads, "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "processor": platform.processor(), "loadavg_1min": os.getloadavg()[0],
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
+    same = lambda ok: "tokens same" if ok else "TOKENS DIFFER"
+    rows = [("section", "case", "measured", "compared", "ratio", "note")]
+    for n, g in r["generation"].items():
+        rows.append(("generate", f"prompt {plan.prompt_len} + {n}", f"cached {g['cached_s']:.2f} s", f"naive {g['naive_s']:.2f} s",
+                     f"{g['speedup']:.1f}x", f"{same(g['identical'])}; FLOPs {g['flops_ratio']:.0f}x"))
+    for c, d in r["decode"].items():
+        rows.append(("decode", f"context {c}", f"{d['ms']:.1f} ms/token", f"vs context {plan.contexts[0]}", f"{d['ratio']:.2f}x", ""))
+    h = r["hf"]
+    rows.append(("vs HF", f"prompt {plan.prompt_len} + {h['new_tokens']}", f"kvlib {h['kvlib_tok_s']:.1f} tok/s",
+                 f"HF {h['hf_tok_s']:.1f} tok/s", f"{h['ratio']:.2f}x", same(h["identical"])))
+    f = r["roofline"]
+    for name, label in (("big", f"{MATVEC_BIG}x{MATVEC_BIG}"), ("small", f"{MATVEC_COUNT} x {MATVEC_SMALL[0]}x{MATVEC_SMALL[1]}")):
+        a, b = f[f"{name}_in_out_gbs"], f[f"{name}_out_in_gbs"]
+        rows.append(("matvec", label, f"(in,out) {a:.1f} GB/s", f"(out,in) {b:.1f} GB/s", f"{a / b:.2f}x", "x @ W vs F.linear"))
+    for key, d in f.items():
+        if key.startswith("decode_ctx"):
+            rows.append(("roofline", f"decode, context {key[10:]}", f"{d['gbs']:.1f} GB/s", f"{d['bytes'] / 1e6:.0f} MB/token",
+                         f"{100 * d['fraction']:.0f}%", f"of {MATVEC_BIG}x{MATVEC_BIG} (in,out) matvec"))
+    return rows
+
+
+def targets(r: dict, plan: Plan) -> list[dict]:
+    """The book's claims, each with its measured value (None if this plan does not measure it)."""
+    g, d, f, h = r["generation"], r["decode"], r["roofline"], r["hf"]
+    lo, hi = plan.contexts[0], plan.contexts[-1]
+    rows = [
+        ("cached/naive speedup at 128 new tokens", g["128"]["speedup"] if "128" in g else None, ">=", 5.0, True),
+        ("cached/naive speedup at 256 new tokens", g["256"]["speedup"] if "256" in g else None, ">=", 10.0, True),
+        (f"decode latency(ctx {hi}) / latency(ctx {lo})", d[str(hi)]["ratio"], "<=", 1.5, True),
+        ("kvlib/HF tokens/s, identical tokens", h["ratio"], ">=", 1.2, h["identical"]),
+        (f"decode (ctx {lo}) / {MATVEC_BIG}^2 matvec bandwidth", f[f"decode_ctx{lo}"]["fraction"], ">=", 0.6, True),
+    ]
+    out = []
+    for claim, value, op, threshold, also in rows:
+        ok = None if value is None else also and (value >= threshold if op == ">=" else value <= threshold)
+        out.append({"claim": f"{claim} {op} {threshold:g}", "measured": value, "pass": ok})
+    return out
+
+
+def print_report(r: dict, plan: Plan) -> None:
+    m = r["machine"]
+    print(f"kvlib bench | torch {m['torch']} | {m['threads']} threads of {m['cpu_count']} CPUs | {m['platform']} | {m['date']}")
+    print(f"load average (1 min) at start {m['loadavg_1min']:.2f}, at end {os.getloadavg()[0]:.2f}: "
+          "well above the thread count means other processes competed, and the timings are noisy")
+    rows = table_rows(r, plan)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print("\ntargets")
+    for t in r["targets"]:
+        verdict = {None: "n/a ", True: "PASS", False: "MISS"}[t["pass"]]
+        shown = "not measured" if t["measured"] is None else f"{t['measured']:.2f}"
+        print(f"  {verdict}  {t['claim']:<56} measured {shown}")
+
+
+def _to_json(x):
+    if isinstance(x, dict):
+        return {k: _to_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_to_json(v) for v in x]
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return x
+
+
+def _positive_int(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvlib.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    p.add_argument("--threads", type=_positive_int, default=2, help="torch.set_num_threads (default 2)")
+    args = p.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    torch.set_num_threads(args.threads)
+    print(f"torch.set_num_threads({args.threads}); mode {'quick' if args.quick else 'full'}", flush=True)
+
+    r = {"machine": machine_info(torch.get_num_threads())}
+    with torch.inference_mode():
+        model, tok = load_smollm2()
+        ids = prompt_ids(tok, plan.prompt_len)
+        print("(a) cached vs naive generation ...", flush=True)
+        r["generation"] = bench_generation(model, ids, plan)
+        print("(b) decode latency vs context ...", flush=True)
+        r["decode"] = bench_decode(model, ids, plan)
+        print("(c) kvlib vs Hugging Face generate ...", flush=True)
+        hf = load_hf_smollm2()
+        r["hf"] = hf_vs_kvlib(model, hf, ids, plan.hf_tokens)
+        del hf
+        print("(d) matvec bandwidth and roofline ...\n", flush=True)
+        r["roofline"] = bench_roofline(model.config, r["decode"], plan)
+    r["targets"] = targets(r, plan)
+    print_report(r, plan)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_to_json(r), f, indent=1)
+        print(f"\nwrote {args.json}")
+    bad = [f"cached vs naive at {n} new tokens" for n, g in r["generation"].items() if not g["identical"]]
+    bad += [] if r["hf"]["identical"] else [f"kvlib vs HF at {plan.hf_tokens} new tokens"]
+    for what in bad:
+        print(f"!!! TOKENS DIFFER: {what} !!!", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
