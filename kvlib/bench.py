@@ -56,8 +56,8 @@ class Plan:
     matvec_repeats: int
 
 
-FULL = Plan(64, (32, 64, 128, 256), (64, 256, 1024), 64, 3, 1, 20, 10)
-QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 3)
+FULL = Plan(64, (32, 64, 128, 256), (64, 256, 1024), 64, 3, 1, 20, 20)
+QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 5)
 
 
 # -- timing -------------------------------------------------------------------------------
@@ -95,11 +95,11 @@ def time_generation(
     return outs[-1], timing
 
 
-def decode_latency(model: Transformer, ids: torch.Tensor, context: int, steps: int) -> dict:
-    """Time single decode steps with exactly ``context`` tokens cached.
+def decode_stepper(model: Transformer, ids: torch.Tensor, context: int) -> Callable[[], None]:
+    """A function that runs one decode step with exactly ``context`` tokens cached.
 
-    The cache is filled by one prefill (``ids`` repeated to length), and cropped
-    back to ``context`` after every step, so each step sees the same context.
+    The cache is filled by one prefill (``ids`` repeated to length) and cropped
+    back to ``context`` after every step, so every call sees the same context.
     """
     filler = ids.repeat(1, -(-context // ids.shape[1]))[:, :context]
     cache = StaticCache.for_model(model.config, 1, context + 1, dtype=model.dtype, device=model.device)
@@ -110,27 +110,39 @@ def decode_latency(model: Transformer, ids: torch.Tensor, context: int, steps: i
         decode_step(model, tok, cache)
         cache.crop(context)  # a list update: negligible next to the step
 
-    return timeit(step, warmup=2, repeats=steps)
+    return step
 
 
-def matvec_bandwidth(in_features: int, out_features: int, count: int, layout: str, repeats: int) -> float:
-    """GB/s for ``x @ W`` over ``count`` distinct fp32 matrices, one vector ``x``.
+def decode_latency(model: Transformer, ids: torch.Tensor, context: int, steps: int = 20) -> dict:
+    """Timings (seconds) of ``steps`` single decode steps at a fixed ``context``."""
+    return timeit(decode_stepper(model, ids, context), warmup=2, repeats=steps)
 
-    ``layout="in_out"`` stores W ``(in, out)`` and computes ``x @ W`` (kvlib's Linear);
-    ``"out_in"`` stores ``(out, in)`` and calls ``F.linear(x, W)`` (nn.Linear).
+
+def matvec_bandwidth(in_features: int, out_features: int, count: int = 1, repeats: int = 10) -> dict:
+    """GB/s of one vector times ``count`` distinct fp32 matrices, in both layouts.
+
+    ``in_out`` stores W ``(in, out)`` and computes ``x @ W`` (kvlib's Linear);
+    ``out_in`` stores ``(out, in)`` and calls ``F.linear(x, W)`` (nn.Linear).
+    The two sweeps alternate, so that noise from other processes hits both.
     """
-    if layout not in ("in_out", "out_in"):
-        raise ValueError(f"layout must be 'in_out' or 'out_in', got {layout!r}")
-    shape = (in_features, out_features) if layout == "in_out" else (out_features, in_features)
-    mats = [torch.randn(shape) for _ in range(count)]
+    for name, v in (("in_features", in_features), ("out_features", out_features), ("count", count), ("repeats", repeats)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
     x = torch.randn(1, in_features)
-    op = torch.matmul if layout == "in_out" else F.linear
+    mats = {"in_out": [torch.randn(in_features, out_features) for _ in range(count)]}
+    mats["out_in"] = [w.t().contiguous() for w in mats["in_out"]]  # same numbers, nn.Linear layout
 
-    def sweep() -> None:
-        for w in mats:
+    def sweep(layout: str) -> None:
+        op = torch.matmul if layout == "in_out" else F.linear
+        for w in mats[layout]:
             op(x, w)
 
-    return sum(w.nbytes for w in mats) / timeit(sweep, warmup=2, repeats=repeats)["median"] / 1e9
+    times = {k: [] for k in mats}
+    for _ in range(repeats):
+        for layout in times:
+            times[layout].append(timeit(lambda: sweep(layout), warmup=1, repeats=1)["median"])
+    nbytes = sum(w.nbytes for w in mats["in_out"])
+    return {layout: nbytes / statistics.median(t) / 1e9 for layout, t in times.items()}
 
 
 def load_hf_smollm2():
@@ -168,67 +180,82 @@ def hf_vs_kvlib(model: Transformer, hf, ids: torch.Tensor, n: int, repeats: int 
 
 # -- the four sections ----------------------------------------------------------------------
 def bench_generation(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
+    """(a) Cached vs naive greedy generation for each ``plan.new_tokens``."""
     generate(model, ids, 4)  # warm up the allocator and kernels once for the whole section
     generate_naive(model, ids, 2)
     out = {}
     for n in plan.new_tokens:
         a, tc = time_generation(model, ids, n, repeats=plan.cached_repeats)
         b, tn = time_generation(model, ids, n, naive=True, repeats=plan.naive_repeats)
+        flops = [f(model.config, ids.shape[1], n) for f in (cost.naive_flops, cost.cached_flops)]
         out[str(n)] = {"cached_s": tc["median"], "naive_s": tn["median"], "speedup": tn["median"] / tc["median"],
-                       "identical": torch.equal(a, b),
-                       "flops_ratio": cost.naive_flops(model.config, ids.shape[1], n) / cost.cached_flops(model.config, ids.shape[1], n)}
+                       "identical": torch.equal(a, b), "flops_ratio": flops[0] / flops[1]}
     return out
 
 
 def bench_decode(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
-    out = {str(c): {"ms": 1e3 * decode_latency(model, ids, c, plan.decode_steps)["median"]} for c in plan.contexts}
-    first = out[str(plan.contexts[0])]["ms"]
-    for row in out.values():
-        row["ratio"] = row["ms"] / first
-    return out
+    """(b) Median ms per decode step at each of ``plan.contexts``, and its ratio to the first."""
+    steppers = {c: decode_stepper(model, ids, c) for c in plan.contexts}
+    times = {c: [] for c in plan.contexts}
+    for step in steppers.values():
+        timeit(step, warmup=2, repeats=1)
+    for _ in range(plan.decode_steps):  # round-robin: drift in machine load hits every context alike
+        for c, step in steppers.items():
+            times[c].append(timeit(step, warmup=0, repeats=1)["median"])
+    first = statistics.median(times[plan.contexts[0]])
+    return {str(c): {"ms": 1e3 * statistics.median(t), "ratio": statistics.median(t) / first} for c, t in times.items()}
 
 
-def bench_roofline(config, decode: dict, plan: Plan) -> dict:
-    big, (si, so) = MATVEC_BIG, MATVEC_SMALL
-    out = {
-        "big_in_out_gbs": matvec_bandwidth(big, big, 1, "in_out", plan.matvec_repeats),
-        "big_out_in_gbs": matvec_bandwidth(big, big, 1, "out_in", plan.matvec_repeats),
-        "small_in_out_gbs": matvec_bandwidth(si, so, MATVEC_COUNT, "in_out", plan.matvec_repeats),
-        "small_out_in_gbs": matvec_bandwidth(si, so, MATVEC_COUNT, "out_in", plan.matvec_repeats),
-    }
+def bench_roofline(model: Transformer, decode: dict, plan: Plan) -> dict:
+    """(d) Matvec bandwidth in both layouts, and the bandwidth (b)'s decode steps achieved."""
+    big = matvec_bandwidth(MATVEC_BIG, MATVEC_BIG, 1, plan.matvec_repeats)
+    small = matvec_bandwidth(*MATVEC_SMALL, MATVEC_COUNT, plan.matvec_repeats)
+    out = {"big_in_out_gbs": big["in_out"], "big_out_in_gbs": big["out_in"],
+           "small_in_out_gbs": small["in_out"], "small_out_in_gbs": small["out_in"]}
     for ctx in (plan.contexts[0], plan.contexts[-1]):
-        nbytes = cost.decode_bytes_per_token(config, ctx)
+        nbytes = cost.decode_bytes_per_token(model.config, ctx, dtype_bytes=model.dtype.itemsize)
         gbs = nbytes / (decode[str(ctx)]["ms"] / 1e3) / 1e9
-        out[f"decode_ctx{ctx}"] = {"bytes": nbytes, "gbs": gbs, "fraction": gbs / out["big_in_out_gbs"]}
+        out[f"decode_ctx{ctx}"] = {"bytes": nbytes, "gbs": gbs, "fraction": gbs / out["big_in_out_gbs"],
+                                   "fraction_small": gbs / out["small_in_out_gbs"]}
     return out
 
 
 # -- reporting ------------------------------------------------------------------------------
 def machine_info(threads: int) -> dict:
+    """What the numbers were measured on."""
     return {"torch": torch.__version__, "threads": threads, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "processor": platform.processor(), "loadavg_1min": os.getloadavg()[0],
+            "platform": platform.platform(), "processor": platform.processor(), "loadavg_start": os.getloadavg()[0],
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
+def _same(ok: bool) -> str:
+    return "tokens same" if ok else "TOKENS DIFFER"
+
+
 def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
-    same = lambda ok: "tokens same" if ok else "TOKENS DIFFER"
+    """One row per measurement: section, case, measured, compared with, ratio, note."""
     rows = [("section", "case", "measured", "compared", "ratio", "note")]
     for n, g in r["generation"].items():
-        rows.append(("generate", f"prompt {plan.prompt_len} + {n}", f"cached {g['cached_s']:.2f} s", f"naive {g['naive_s']:.2f} s",
-                     f"{g['speedup']:.1f}x", f"{same(g['identical'])}; FLOPs {g['flops_ratio']:.0f}x"))
+        rows.append(("generate", f"prompt {plan.prompt_len} + {n}", f"cached {g['cached_s']:.2f} s",
+                     f"naive {g['naive_s']:.2f} s", f"{g['speedup']:.1f}x",
+                     f"{_same(g['identical'])}; FLOPs {g['flops_ratio']:.0f}x"))
     for c, d in r["decode"].items():
-        rows.append(("decode", f"context {c}", f"{d['ms']:.1f} ms/token", f"vs context {plan.contexts[0]}", f"{d['ratio']:.2f}x", ""))
+        rows.append(("decode", f"context {c}", f"{d['ms']:.1f} ms/token", f"vs context {plan.contexts[0]}",
+                     f"{d['ratio']:.2f}x", ""))
     h = r["hf"]
     rows.append(("vs HF", f"prompt {plan.prompt_len} + {h['new_tokens']}", f"kvlib {h['kvlib_tok_s']:.1f} tok/s",
-                 f"HF {h['hf_tok_s']:.1f} tok/s", f"{h['ratio']:.2f}x", same(h["identical"])))
+                 f"HF {h['hf_tok_s']:.1f} tok/s", f"{h['ratio']:.2f}x", _same(h["identical"])))
     f = r["roofline"]
-    for name, label in (("big", f"{MATVEC_BIG}x{MATVEC_BIG}"), ("small", f"{MATVEC_COUNT} x {MATVEC_SMALL[0]}x{MATVEC_SMALL[1]}")):
+    big, small = f"{MATVEC_BIG}x{MATVEC_BIG}", f"{MATVEC_SMALL[0]}x{MATVEC_SMALL[1]}"
+    for name, label in (("big", big), ("small", f"{MATVEC_COUNT} x {small}")):
         a, b = f[f"{name}_in_out_gbs"], f[f"{name}_out_in_gbs"]
-        rows.append(("matvec", label, f"(in,out) {a:.1f} GB/s", f"(out,in) {b:.1f} GB/s", f"{a / b:.2f}x", "x @ W vs F.linear"))
+        rows.append(("matvec", label, f"(in,out) {a:.1f} GB/s", f"(out,in) {b:.1f} GB/s", f"{a / b:.2f}x",
+                     "x @ W vs F.linear"))
     for key, d in f.items():
         if key.startswith("decode_ctx"):
-            rows.append(("roofline", f"decode, context {key[10:]}", f"{d['gbs']:.1f} GB/s", f"{d['bytes'] / 1e6:.0f} MB/token",
-                         f"{100 * d['fraction']:.0f}%", f"of {MATVEC_BIG}x{MATVEC_BIG} (in,out) matvec"))
+            rows.append(("roofline", f"decode, context {key[10:]}", f"{d['gbs']:.1f} GB/s",
+                         f"{d['bytes'] / 1e6:.0f} MB/token", f"{100 * d['fraction']:.0f}%",
+                         f"of {big} (in,out) matvec; {100 * d['fraction_small']:.0f}% of {small}"))
     return rows
 
 
@@ -252,9 +279,10 @@ def targets(r: dict, plan: Plan) -> list[dict]:
 
 def print_report(r: dict, plan: Plan) -> None:
     m = r["machine"]
-    print(f"kvlib bench | torch {m['torch']} | {m['threads']} threads of {m['cpu_count']} CPUs | {m['platform']} | {m['date']}")
-    print(f"load average (1 min) at start {m['loadavg_1min']:.2f}, at end {os.getloadavg()[0]:.2f}: "
-          "well above the thread count means other processes competed, and the timings are noisy")
+    print(f"kvlib bench | torch {m['torch']} | {m['threads']} threads of {m['cpu_count']} CPUs | "
+          f"{m['platform']} | {m['date']}")
+    print(f"1-min load average: {m['loadavg_start']:.2f} at start, {m['loadavg_end']:.2f} at end "
+          "(well above the thread count means other processes competed: expect noise)")
     rows = table_rows(r, plan)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -306,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         r["hf"] = hf_vs_kvlib(model, hf, ids, plan.hf_tokens)
         del hf
         print("(d) matvec bandwidth and roofline ...\n", flush=True)
-        r["roofline"] = bench_roofline(model.config, r["decode"], plan)
+        r["roofline"] = bench_roofline(model, r["decode"], plan)
+    r["machine"]["loadavg_end"] = os.getloadavg()[0]
     r["targets"] = targets(r, plan)
     print_report(r, plan)
     if args.json:
