@@ -50,6 +50,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused call; same result as the lines below
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()  # normalise in fp32 even when the model runs in half precision
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -58,19 +60,20 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for integer ``positions`` ``(B, T)``: each ``(B, 1, T, head_dim)``.
+    """cos and sin tables for integer ``positions`` ``(B, T)``: each ``(B, T, head_dim)``.
 
     Dimension pair ``(i, i + head_dim/2)`` rotates at frequency ``base^(-2i/head_dim)``
     (the "rotate half" layout used by Hugging Face Llama).
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, T, head_dim)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, T, head_dim)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(B, H, T, D)`` by the angles in ``cos``/``sin`` ``(B, 1, T, D)``."""
+    """Rotate ``x`` by the angles in ``cos``/``sin``; all three broadcast together,
+    e.g. ``x`` ``(B, T, H, D)`` with ``cos`` ``(B, T, 1, D)``."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)  # "rotate half"
     return x * cos + rotated * sin
@@ -96,11 +99,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.wqkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.wqkv(x).view(B, T, H + 2 * H_kv, D)  # (B, T, heads, D): [q | k | v] heads
+        qk = apply_rope(qkv[:, :, : H + H_kv], cos, sin)  # q and k share positions: rotate both at once
+        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, H_kv, T, D)
+        v = qkv[:, :, H + H_kv :].transpose(1, 2)  # (B, H_kv, T, D)
         if cache is not None:  # NEW: append this step's k, v; attend over everything cached
             k, v = cache.update(self.layer, k, v)  # (B, H_kv, S, D)
         if self.impl == "reference":
@@ -235,6 +238,7 @@ class Transformer(nn.Module):
                 mask = mask | (torch.arange(past + T, device=tokens.device)[None, :] == q_pos)
 
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base, dtype=self.dtype)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): broadcast over heads
         x = self.embed(tokens)  # (B, T, d_model)
         for block in self.layers:
             x = block(x, cos, sin, cache, mask)
