@@ -189,7 +189,9 @@ def bench_generation(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
         b, tn = time_generation(model, ids, n, naive=True, repeats=plan.naive_repeats)
         flops = [f(model.config, ids.shape[1], n) for f in (cost.naive_flops, cost.cached_flops)]
         out[str(n)] = {"cached_s": tc["median"], "naive_s": tn["median"], "speedup": tn["median"] / tc["median"],
-                       "identical": torch.equal(a, b), "flops_ratio": flops[0] / flops[1]}
+                       "identical": torch.equal(a, b), "flops_ratio": flops[0] / flops[1],
+                       # naive is compute-bound, cached is bandwidth-bound: these two rates set the speedup
+                       "naive_gflops": flops[0] / tn["median"] / 1e9, "cached_gflops": flops[1] / tc["median"] / 1e9}
     return out
 
 
@@ -238,7 +240,8 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
     for n, g in r["generation"].items():
         rows.append(("generate", f"prompt {plan.prompt_len} + {n}", f"cached {g['cached_s']:.2f} s",
                      f"naive {g['naive_s']:.2f} s", f"{g['speedup']:.1f}x",
-                     f"{_same(g['identical'])}; FLOPs {g['flops_ratio']:.0f}x"))
+                     f"{_same(g['identical'])}; FLOPs {g['flops_ratio']:.0f}x; "
+                     f"naive {g['naive_gflops']:.0f} GFLOP/s, cached {g['cached_gflops']:.1f}"))
     for c, d in r["decode"].items():
         rows.append(("decode", f"context {c}", f"{d['ms']:.1f} ms/token", f"vs context {plan.contexts[0]}",
                      f"{d['ratio']:.2f}x", ""))

@@ -108,7 +108,7 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)  # (B, H_kv, S, D)
         if self.impl == "reference":
             y = attention(q, k, v, mask)
-        elif mask is None:  # a single query, or a fresh prefill with no padding: see below
+        elif mask is None:  # a decode step, or a fresh unpadded prefill (see Transformer.forward)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=H != H_kv)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != H_kv)
