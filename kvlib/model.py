@@ -246,6 +246,19 @@ class Transformer(nn.Module):
             x = x[:, -1:]  # (B, 1, d_model): generation only needs the next token's logits
         return self.lm_head(self.norm(x))
 
+    def first_layers(self, n: int) -> "Transformer":
+        """A smaller model made of this one's embedding, first ``n`` blocks, final norm and lm_head.
+
+        The weights are shared, not copied. Its outputs are not good text, but it costs
+        about ``n / n_layer`` of the full model, which makes curves with many points cheap.
+        """
+        if not isinstance(n, int) or not 1 <= n <= self.config.n_layer:
+            raise ValueError(f"n must be an int in [1, {self.config.n_layer}], got {n!r}")
+        small = Transformer(self.config.replace(n_layer=n, name=f"{self.config.name} (first {n} layers)"), device="meta")
+        small.tok_emb, small.norm, small.lm_head = self.tok_emb, self.norm, self.lm_head
+        small.layers = nn.ModuleList(self.layers[:n])
+        return small.eval()
+
     def set_attention_impl(self, impl: str) -> None:
         """Switch every layer between "sdpa" and the readable "reference" attention."""
         if impl not in ("sdpa", "reference"):

@@ -159,3 +159,18 @@ def test_gpt2_preset_is_for_memory_math_only():
 def test_bad_attention_impl():
     with pytest.raises(ValueError, match="'sdpa' or 'reference'"):
         tiny().set_attention_impl("flash")
+
+
+def test_first_layers_shares_weights_and_equals_a_truncated_forward():
+    model = tiny(n_layer=3)
+    small = model.first_layers(2)
+    assert small.config.n_layer == 2 and small.layers[1] is model.layers[1]
+    tokens = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        x = model.embed(tokens)
+        cos, sin = kvlib.model.rope_cos_sin(torch.arange(6)[None], 8, model.config.rope_base)
+        for block in model.layers[:2]:
+            x = block(x, cos[:, :, None], sin[:, :, None], None, None)
+        torch.testing.assert_close(small(tokens), model.lm_head(model.norm(x)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"n must be an int in \[1, 3\]"):
+        model.first_layers(4)
