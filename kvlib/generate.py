@@ -58,6 +58,7 @@ def sample(
 
 
 # -- the two phases ---------------------------------------------------------------------
+@torch.inference_mode()  # no autograd graph may grow through the cache
 def prefill(model: Transformer, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
     """Run the whole prompt ``(B, T)`` through the model at once, filling ``cache``.
 
@@ -66,6 +67,7 @@ def prefill(model: Transformer, tokens: torch.Tensor, cache: Cache) -> torch.Ten
     return model(tokens, cache, last_only=True)[:, -1]
 
 
+@torch.inference_mode()
 def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.Tensor:
     """Feed one new token per sequence ``(B,)`` or ``(B, 1)``; returns next logits ``(B, vocab)``."""
     if token.dim() == 1:

@@ -191,3 +191,12 @@ def test_too_small_cache(model):
 def test_naive_takes_no_cache(model):
     with pytest.raises(ValueError, match="uses no cache"):
         kvlib.generate_naive(model, [1], 2, cache=DynamicCache(2))
+
+
+def test_prefill_and_decode_build_no_autograd_graph(model):
+    """A hand-written loop without no_grad must not chain a graph through the cache."""
+    assert any(p.requires_grad for p in model.parameters())
+    cache = StaticCache.for_model(model.config, 1, 8)
+    logits = kvlib.prefill(model, torch.tensor([[1, 2, 3]]), cache)
+    logits = kvlib.decode_step(model, logits.argmax(-1), cache)
+    assert not logits.requires_grad and cache.keys[0].grad_fn is None
