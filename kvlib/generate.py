@@ -76,8 +76,15 @@ def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.
 
 
 # -- input handling -----------------------------------------------------------------------
-def _as_batch(prompt_ids, model: Transformer) -> torch.Tensor:
-    """``list[int]`` or ``(T,)``/``(B, T)`` tensor -> ``(B, T)`` int64 on the model's device."""
+def _as_batch(prompt_ids, model: Transformer, attention_mask=None, pad_id: int = 0):
+    """Prompts -> ``(ids (B, T) int64, valid (B, T) bool or None)`` on the model's device.
+
+    Accepts ``list[int]``, a list of ``list[int]`` (different lengths are
+    left-padded with ``pad_id``), or a ``(T,)``/``(B, T)`` tensor with an optional
+    HF-style ``attention_mask`` (1 = token, 0 = left padding). ``valid`` is None
+    when no row is padded, so the common case keeps the mask-free fast path.
+    """
+    valid = None
     if isinstance(prompt_ids, torch.Tensor):
         ids = prompt_ids
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
@@ -86,19 +93,50 @@ def _as_batch(prompt_ids, model: Transformer) -> torch.Tensor:
             ids = ids[None]
         if ids.dim() != 2:
             raise ValueError(f"prompt_ids must be (T,) or (B, T), got shape {tuple(prompt_ids.shape)}")
+        if attention_mask is not None:
+            am = torch.as_tensor(attention_mask)
+            am = am[None] if am.dim() == 1 else am
+            if am.shape != ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(am.shape)} does not match prompt_ids {tuple(ids.shape)}")
+            valid = am.to(torch.bool)
+    elif isinstance(prompt_ids, (list, tuple)) and prompt_ids and all(isinstance(r, (list, tuple)) for r in prompt_ids):
+        rows = [list(r) for r in prompt_ids]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for r in rows for t in r):
+            raise TypeError("prompt_ids given as lists must contain only ints")
+        if any(len(r) == 0 for r in rows):
+            raise ValueError(f"prompt {[len(r) for r in rows].index(0)} is empty: every prompt needs a token")
+        T = max(len(r) for r in rows)
+        ids = torch.tensor([[pad_id] * (T - len(r)) + r for r in rows], dtype=torch.long)  # left padding
+        valid = torch.tensor([[False] * (T - len(r)) + [True] * len(r) for r in rows])
     elif isinstance(prompt_ids, (list, tuple)):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise TypeError("prompt_ids given as a list must contain only ints")
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
     else:
-        raise TypeError(f"prompt_ids must be a list[int] or a LongTensor, got {type(prompt_ids).__name__}")
+        raise TypeError(f"prompt_ids must be a list[int], a list of lists, or a LongTensor, got {type(prompt_ids).__name__}")
     if ids.numel() == 0 or ids.shape[1] == 0:
         raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
+    if valid is not None:
+        if not valid.any(dim=1).all():
+            raise ValueError("a prompt row has no tokens at all (its attention_mask is all 0)")
+        if (valid[:, 1:] < valid[:, :-1]).any():
+            raise ValueError("padding must be on the left for generation (a 1 followed by a 0 in attention_mask)")
+        if bool(valid.all()):
+            valid = None  # nothing padded: use the fast path
     V = model.config.vocab_size
-    lo, hi = int(ids.min()), int(ids.max())
+    real = ids if valid is None else ids[valid]
+    lo, hi = int(real.min()), int(real.max())
     if lo < 0 or hi >= V:
         raise IndexError(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {V})")
-    return ids.to(device=model.device, dtype=torch.long)
+    if valid is not None:
+        ids = ids.masked_fill(~valid, 0)  # pad ids never reach a real token's output; keep them in range
+        valid = valid.to(model.device)
+    return ids.to(device=model.device, dtype=torch.long), valid
+
+
+def _positions(valid: torch.Tensor) -> torch.Tensor:
+    """RoPE positions for left-padded rows: each row's first real token is position 0."""
+    return (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # (B, T); pads sit at 0, unseen
 
 
 def _stop_set(stop, device) -> torch.Tensor | None:
@@ -155,21 +193,40 @@ def _loop(
                 return
 
 
-def _cached_stepper(model: Transformer, ids: torch.Tensor, cache: Cache):
-    def next_logits(tok):
-        return prefill(model, ids, cache) if tok is None else decode_step(model, tok, cache)
+def _cached_stepper(model: Transformer, ids: torch.Tensor, cache: Cache, valid: torch.Tensor | None):
+    if valid is None:  # no padding: positions follow the cache, no mask needed
 
-    return next_logits
+        def next_logits(tok):
+            return prefill(model, ids, cache) if tok is None else decode_step(model, tok, cache)
+
+        return next_logits
+
+    state = {"valid": valid, "pos": _positions(valid)}  # (B, S) key mask, (B, T) positions
+
+    def next_logits_padded(tok):
+        if tok is not None:  # one new real token per row: a True key, the next position
+            state["valid"] = torch.cat([state["valid"], torch.ones_like(state["valid"][:, :1])], dim=1)
+            state["pos"] = state["pos"][:, -1:] + 1
+            tok = tok[:, None]
+        x = ids if tok is None else tok
+        return model(x, cache, positions=state["pos"], key_valid=state["valid"], last_only=True)[:, -1]
+
+    return next_logits_padded
 
 
-def _naive_stepper(model: Transformer, ids: torch.Tensor):
+def _naive_stepper(model: Transformer, ids: torch.Tensor, valid: torch.Tensor | None):
     seq = [ids]
+    masks = [valid if valid is not None else torch.ones_like(ids, dtype=torch.bool)]
 
     def next_logits(tok):
         if tok is not None:
             seq.append(tok[:, None])
-        full = torch.cat(seq, dim=1) if len(seq) > 1 else seq[0]  # (B, T + generated so far)
-        return model(full, last_only=True)[:, -1]  # recompute every position, every step
+            masks.append(torch.ones_like(masks[0][:, :1]))
+        full = torch.cat(seq, dim=1)  # (B, T + generated so far)
+        if valid is None:
+            return model(full, last_only=True)[:, -1]  # recompute every position, every step
+        key_valid = torch.cat(masks, dim=1)
+        return model(full, positions=_positions(key_valid), key_valid=key_valid, last_only=True)[:, -1]
 
     return next_logits
 
@@ -190,26 +247,31 @@ def stream(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     stop: int | Iterable[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    pad_id: int = 0,
 ) -> Iterator:
     """Cached generation that yields each new token as soon as it exists.
 
-    For a ``list[int]`` prompt it yields ``int``s; for a tensor prompt it
-    yields ``(B,)`` tensors. ``cache=None`` allocates a `StaticCache` of
-    exactly prompt + ``max_new_tokens`` slots; a cache you pass in may already
-    hold a conversation, and the prompt is appended after it.
+    For a ``list[int]`` prompt it yields ``int``s; for a batch (a tensor, or a
+    list of lists) it yields ``(B,)`` tensors. Prompts of different lengths
+    are left-padded (see `generate`). ``cache=None`` allocates a `StaticCache`
+    of exactly prompt + ``max_new_tokens`` slots; a cache you pass in may
+    already hold a conversation, and the prompt is appended after it.
     """
     _check_sampling(temperature, top_k, top_p)
-    ids = _as_batch(prompt_ids, model)
+    ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
     B, T = ids.shape
     past = 0 if cache is None else cache.seq_len
+    if valid is not None and past > 0:
+        raise ValueError(f"padded prompts need an empty cache; this one already holds {past} tokens")
     _check_len(model, T, past, max_new_tokens)
     stops = _stop_set(stop, ids.device)
     if cache is None and max_new_tokens > 0:
         cache = _default_cache(model, B, T + max_new_tokens)
     # Checks above run at call time; the generator below runs as it is consumed.
-    toks = _loop(_cached_stepper(model, ids, cache), B, max_new_tokens, temperature, top_k, top_p,
+    toks = _loop(_cached_stepper(model, ids, cache, valid), B, max_new_tokens, temperature, top_k, top_p,
                  generator, stops, ids.device)
-    if isinstance(prompt_ids, torch.Tensor):
+    if isinstance(prompt_ids, torch.Tensor) or ids.shape[0] > 1 or valid is not None:
         return toks
     return (int(tok[0]) for tok in toks)
 
@@ -225,15 +287,22 @@ def generate(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     stop: int | Iterable[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    pad_id: int = 0,
 ) -> torch.Tensor:
     """Prefill once, then one cached decode step per token.
 
     Returns prompt + new tokens as a ``(B, T + n)`` LongTensor, like Hugging
     Face's ``generate``; ``n < max_new_tokens`` when every row hit ``stop``.
+    A list of prompts of different lengths is left-padded to ``T`` with
+    ``pad_id`` (so every row's new tokens line up at the right); padding keys
+    are masked out and each row's positions start at its first real token, so
+    every row gets the tokens it would get alone.
     """
-    ids = _as_batch(prompt_ids, model)
+    ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
     toks = list(stream(model, ids, max_new_tokens, cache=cache, temperature=temperature, top_k=top_k,
-                       top_p=top_p, generator=generator, stop=stop))
+                       top_p=top_p, generator=generator, stop=stop, attention_mask=valid))
+    ids = ids if valid is None else ids.masked_fill(~valid, pad_id)
     return torch.cat([ids, torch.stack(toks, dim=1)], dim=1) if toks else ids
 
 
@@ -248,6 +317,8 @@ def generate_naive(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     stop: int | Iterable[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    pad_id: int = 0,
 ) -> torch.Tensor:
     """Like `generate`, but recompute the whole sequence at every step (no cache).
 
@@ -256,10 +327,11 @@ def generate_naive(
     if cache is not None:
         raise ValueError("generate_naive recomputes everything and uses no cache; pass cache=None")
     _check_sampling(temperature, top_k, top_p)
-    ids = _as_batch(prompt_ids, model)
+    ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
     B, T = ids.shape
     _check_len(model, T, 0, max_new_tokens)
     stops = _stop_set(stop, ids.device)
-    toks = list(_loop(_naive_stepper(model, ids), B, max_new_tokens, temperature, top_k, top_p,
+    toks = list(_loop(_naive_stepper(model, ids, valid), B, max_new_tokens, temperature, top_k, top_p,
                       generator, stops, ids.device))
+    ids = ids if valid is None else ids.masked_fill(~valid, pad_id)
     return torch.cat([ids, torch.stack(toks, dim=1)], dim=1) if toks else ids

@@ -177,7 +177,7 @@ def test_too_long_for_the_model(model):
 
 
 def test_prompt_of_wrong_type(model):
-    with pytest.raises(TypeError, match="list\\[int\\] or a LongTensor"):
+    with pytest.raises(TypeError, match="list\\[int\\], a list of lists, or a LongTensor"):
         kvlib.generate(model, "hello", 3)
     with pytest.raises(TypeError, match="integer token ids"):
         kvlib.generate(model, torch.tensor([[1.0, 2.0]]), 3)
@@ -200,3 +200,44 @@ def test_prefill_and_decode_build_no_autograd_graph(model):
     logits = kvlib.prefill(model, torch.tensor([[1, 2, 3]]), cache)
     logits = kvlib.decode_step(model, logits.argmax(-1), cache)
     assert not logits.requires_grad and cache.keys[0].grad_fn is None
+
+
+# -- batches of different lengths -----------------------------------------------------------
+def test_ragged_batch_rows_equal_rows_alone(model):
+    prompts = [[1, 2, 3, 4, 5], [7], [9, 8, 7]]
+    out = kvlib.generate(model, prompts, 6, pad_id=0)
+    assert out.shape == (3, 5 + 6)
+    for i, p in enumerate(prompts):
+        alone = kvlib.generate(model, p, 6)[0]
+        assert out[i, 5 - len(p):].tolist() == alone.tolist()  # left-padded, new tokens line up
+        assert out[i, : 5 - len(p)].tolist() == [0] * (5 - len(p))
+
+
+def test_ragged_batch_naive_equals_cached(model):
+    prompts = [[3, 1, 4, 1, 5, 9], [2, 7]]
+    assert torch.equal(kvlib.generate_naive(model, prompts, 5), kvlib.generate(model, prompts, 5))
+
+
+def test_hf_style_attention_mask_is_accepted(model):
+    ids = torch.tensor([[0, 0, 4, 5], [6, 7, 8, 9]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    out = kvlib.generate(model, ids, 4, attention_mask=mask, pad_id=0)
+    assert out[0, 2:].tolist() == kvlib.generate(model, [4, 5], 4)[0].tolist()
+    assert out[1].tolist() == kvlib.generate(model, [6, 7, 8, 9], 4)[0].tolist()
+
+
+def test_right_padding_is_rejected(model):
+    with pytest.raises(ValueError, match="padding must be on the left"):
+        kvlib.generate(model, torch.tensor([[4, 5, 0]]), 2, attention_mask=torch.tensor([[1, 1, 0]]))
+
+
+def test_empty_row_in_a_ragged_batch(model):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        kvlib.generate(model, [[1, 2], []], 2)
+
+
+def test_padded_prompts_need_an_empty_cache(model):
+    cache = DynamicCache(model.config.n_layer)
+    kvlib.generate(model, torch.tensor([[1, 2], [3, 4]]), 2, cache=cache)
+    with pytest.raises(ValueError, match="padded prompts need an empty cache"):
+        kvlib.generate(model, [[1, 2, 3], [4]], 2, cache=cache)

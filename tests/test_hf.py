@@ -118,3 +118,16 @@ def test_tokenizer_matches_hf(smollm2, hf_smollm2):
     ref = ref["input_ids"] if hasattr(ref, "keys") else ref
     assert tok.apply_chat_template(with_system, add_generation_prompt=False) == list(ref)
     assert (tok.bos_id, tok.eos_id) == (hf_tok.bos_token_id, hf_tok.eos_token_id)
+
+
+@pytest.mark.smollm2
+def test_smollm2_ragged_batch_equals_each_prompt_alone(smollm2):
+    """Left padding + padding mask + per-row positions: batching changes no token."""
+    model, tok = smollm2
+    prompts = [tok.encode(p) for p in PROMPTS]
+    assert len({len(p) for p in prompts}) > 1  # really different lengths
+    out = kvlib.generate(model, prompts, 24, pad_id=tok.eos_id)
+    T = max(len(p) for p in prompts)
+    for i, p in enumerate(prompts):
+        alone = kvlib.generate(model, p, 24)[0]
+        assert out[i, T - len(p):].tolist() == alone.tolist(), f"prompt {i} changed when batched"
