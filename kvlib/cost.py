@@ -62,7 +62,15 @@ def param_count(config: ModelConfig) -> int:
     final norm, and an embedding table only when it is not tied to the lm_head.
 
     Equals ``sum(p.numel() for p in Transformer(config).parameters())``.
+    For ``family="gpt2"`` it counts GPT-2's own layout instead: LayerNorms
+    with biases, biased projections, a 4x GELU MLP, learned positions, and a
+    head tied to the token embedding.
     """
+    _check_config(config)
+    if config.family == "gpt2":
+        d, ff = config.d_model, config.d_ff
+        per_layer = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)
+        return config.n_layer * per_layer + 2 * d + (config.vocab_size + config.max_seq_len) * d
     norms = (2 * config.n_layer + 1) * config.d_model
     embedding = 0 if config.tie_embeddings else config.vocab_size * config.d_model
     return matrix_params(config) + norms + embedding

@@ -61,4 +61,4 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="config must be a ModelConfig"):
         cost.kv_bytes({"n_layer": 2}, 3)
     with pytest.raises(ValueError, match="Llama-family"):
-        cost.param_count(PRESETS["gpt2"])
+        cost.layer_matrix_params(PRESETS["gpt2"])

@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from kvlib import PRESETS, StaticCache, Transformer, cost, memory
+
+GiB = 2**30
+
+
+def test_llama2_7b_2048_tokens_fp16_is_one_gib():
+    # seed 002's figure: 2 * 32 layers * 2048 tokens * 32 heads * 128 dims * 2 bytes = 1 GiB
+    assert memory.kv_cache_bytes(PRESETS["llama-2-7b"], 2048, 1, "fp16") == 1 * GiB
+
+
+def test_one_layer_batch_32_context_4096_is_two_gib():
+    one_layer = PRESETS["llama-2-7b"].replace(n_layer=1)
+    assert memory.kv_cache_bytes(one_layer, 4096, 32, "fp16") == 2 * GiB
+
+
+def test_gqa_shrinks_the_cache_by_the_group_size():
+    # Llama-3-8B has the same layers and head_dim as Llama-2-7B but 8 KV heads instead of 32
+    a = memory.kv_bytes_per_token(PRESETS["llama-2-7b"])
+    b = memory.kv_bytes_per_token(PRESETS["llama-3-8b"])
+    assert a == 4 * b == 512 * 1024  # 0.5 MiB per token for Llama-2-7B in fp16
+
+
+def test_formula_equals_a_real_kvlib_cache():
+    cfg = PRESETS["smollm2-135m"]
+    cache = StaticCache.for_model(cfg, 2, 16, dtype=torch.float32)
+    assert memory.kv_cache_bytes(cfg, 16, 2, "fp32") == cache.nbytes
+
+
+@pytest.mark.smollm2
+def test_formula_equals_smollm2_cache_after_generation(smollm2):
+    import kvlib
+
+    model, tok = smollm2
+    cache = kvlib.DynamicCache(model.config.n_layer)
+    ids = tok.encode("The cache grows by one token per step")
+    kvlib.generate(model, ids, 5, cache=cache)
+    assert cache.nbytes == memory.kv_cache_bytes(model.config, len(ids) + 4, 1, "fp32")
+
+
+def test_published_parameter_counts():
+    # independent figures: HF model cards / papers
+    assert cost.param_count(PRESETS["gpt2"]) == 124_439_808
+    assert cost.param_count(PRESETS["llama-2-7b"]) == 6_738_415_616
+    assert cost.param_count(PRESETS["llama-3-8b"]) == 8_030_261_248
+    assert cost.param_count(PRESETS["llama-3-70b"]) == 70_553_706_496
+    assert cost.param_count(PRESETS["mistral-7b"]) == 7_241_732_096
+
+
+def test_what_fits_on_an_80_gib_gpu():
+    cfg = PRESETS["llama-2-7b"]
+    per_seq = memory.kv_cache_bytes(cfg, 4096)  # 2 GiB per 4096-token sequence
+    b = memory.max_batch(cfg, 80 * GiB, 4096)
+    assert b * per_seq + memory.weight_bytes(cfg) <= 80 * GiB < (b + 1) * per_seq + memory.weight_bytes(cfg)
+    with pytest.raises(ValueError, match="do not fit"):
+        memory.max_tokens(PRESETS["llama-3-70b"], 80 * GiB)  # 141 GB of fp16 weights
+
+
+def test_table_rows_and_bad_input():
+    rows = memory.table(["llama-2-7b", "llama-3-8b"], seq_len=2048)
+    assert rows[0]["kv_gib"] == 1.0 and rows[1]["kv_gib"] == 0.25
+    with pytest.raises(KeyError, match="unknown preset"):
+        memory.table(["gpt-5"])
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        memory.kv_cache_bytes(PRESETS["gpt2"], 10, dtype="fp12")
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        memory.max_batch(PRESETS["gpt2"], GiB, 0)
+
+
+def test_param_count_matches_a_built_model():
+    cfg = PRESETS["mistral-7b"]
+    assert cost.param_count(cfg) == sum(p.numel() for p in Transformer(cfg, device="meta").parameters())
