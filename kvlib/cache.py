@@ -33,6 +33,7 @@ class Cache:
         if not isinstance(n_layer, int) or n_layer <= 0:
             raise ValueError(f"n_layer must be a positive int, got {n_layer!r}")
         self.n_layer = n_layer
+        self.bytes_written = 0  # bytes this cache has copied into its storage, all layers, K and V
         # (batch, kv_heads, head_dim, dtype, device) that every update must match
         self._spec: tuple[int, int, int, torch.dtype, torch.device] | None = None
 
@@ -143,6 +144,7 @@ class DynamicCache(Cache):
         else:
             self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)  # (B, H, S + t, D): a full copy
             self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        self.bytes_written += self.keys[layer].nbytes + self.values[layer].nbytes  # old + new, every time
         return self.keys[layer], self.values[layer]
 
     def get_seq_len(self, layer: int = 0) -> int:
@@ -241,7 +243,8 @@ class StaticCache(Cache):
                 old = buf[layer]
                 B, H, S, D = old.shape
                 new = old.new_zeros(B, H, cap, D)
-                new[:, :, :S] = old  # the one copy a doubling costs
+                new[:, :, : self.lengths[layer]] = old[:, :, : self.lengths[layer]]  # the one copy a doubling costs
+                self.bytes_written += new[:, :, : self.lengths[layer]].nbytes
                 buf[layer] = new
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,6 +260,7 @@ class StaticCache(Cache):
             self._reserve(end)
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v
+        self.bytes_written += k.nbytes + v.nbytes  # only the new tokens
         self.lengths[layer] = end
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
