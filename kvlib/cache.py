@@ -241,7 +241,7 @@ class StaticCache(Cache):
         for layer in range(self.n_layer):
             for buf in (self.keys, self.values):
                 old = buf[layer]
-                B, H, S, D = old.shape
+                B, H, _, D = old.shape
                 new = old.new_zeros(B, H, cap, D)
                 new[:, :, : self.lengths[layer]] = old[:, :, : self.lengths[layer]]  # the one copy a doubling costs
                 self.bytes_written += new[:, :, : self.lengths[layer]].nbytes
