@@ -163,8 +163,14 @@ class Transformer(nn.Module):
         if self.lm_head.weight.device.type != "meta":
             self.reset_parameters()
 
-    def reset_parameters(self, seed: int | None = None) -> None:
-        """Random weights (normal, std 0.02; norms at 1): for tests and toy models."""
+    def reset_parameters(self, seed: int | None = None, std: float = 0.02) -> None:
+        """Random weights (normal with ``std``; norms at 1): for tests and toy models.
+
+        The default 0.02 gives nearly flat logits; tests that compare greedy tokens use
+        ``std=0.2`` so that no two logits tie and argmax is decided by the model, not rounding.
+        """
+        if not std > 0:
+            raise ValueError(f"std must be positive, got {std!r}")
         g = torch.Generator(device="cpu")
         if seed is not None:
             g.manual_seed(seed)
@@ -175,7 +181,7 @@ class Transformer(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
 
     @property
     def device(self) -> torch.device:

@@ -17,12 +17,7 @@ def tiny(n_layer=2, n_head=4, n_kv_head=2, head_dim=8, vocab=97, tied=False, see
     cfg = ModelConfig(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, d_model=n_head * head_dim,
                       d_ff=3 * n_head * head_dim, vocab_size=vocab, max_seq_len=128, tie_embeddings=tied)
     model = Transformer(cfg)
-    model.reset_parameters(seed=seed)
-    # std-0.02 weights give nearly flat logits; scale up so argmax ties are impossible
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(10)
+    model.reset_parameters(seed=seed, std=0.2)  # sharp logits: no argmax ties
     return model.eval()
 
 
@@ -174,3 +169,12 @@ def test_first_layers_shares_weights_and_equals_a_truncated_forward():
         torch.testing.assert_close(small(tokens), model.lm_head(model.norm(x)), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"n must be an int in \[1, 3\]"):
         model.first_layers(4)
+
+
+def test_reset_parameters_std_and_bad_std():
+    model = tiny()
+    model.reset_parameters(seed=1, std=0.5)
+    w = model.layers[0].mlp.w_gate_up.weight
+    assert 0.45 < float(w.std()) < 0.55 and torch.equal(model.layers[0].attn_norm.weight, torch.ones(32))
+    with pytest.raises(ValueError, match="std must be positive"):
+        model.reset_parameters(std=0)
