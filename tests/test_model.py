@@ -174,7 +174,7 @@ def test_first_layers_shares_weights_and_equals_a_truncated_forward():
 def test_reset_parameters_std_and_bad_std():
     model = tiny()
     model.reset_parameters(seed=1, std=0.5)
-    w = model.layers[0].mlp.w_gate_up.weight
+    w = model.layers[0].mlp.w_gate_up.weight.detach()
     assert 0.45 < float(w.std()) < 0.55 and torch.equal(model.layers[0].attn_norm.weight, torch.ones(32))
     with pytest.raises(ValueError, match="std must be positive"):
         model.reset_parameters(std=0)
