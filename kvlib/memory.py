@@ -65,7 +65,7 @@ def table(names: list[str] | None = None, seq_len: int = 4096, batch: int = 1, d
     rows = []
     for name in names or [n for n in PRESETS if n != "tiny"]:
         if name not in PRESETS:
-            raise KeyError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+            raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
         c = PRESETS[name]
         rows.append({
             "model": c.name or name,

@@ -216,10 +216,11 @@ class Transformer(nn.Module):
             raise TypeError(f"tokens must be an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
         if tokens.dim() != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens must be (batch, seq) with seq >= 1, got shape {tuple(tokens.shape)}")
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        if tokens.device.type != "meta":  # a meta tensor has shapes but no values: nothing to range-check
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         B, T = tokens.shape
         past = 0 if cache is None else cache.seq_len
         if positions is None:

@@ -61,7 +61,7 @@ def test_what_fits_on_an_80_gib_gpu():
 def test_table_rows_and_bad_input():
     rows = memory.table(["llama-2-7b", "llama-3-8b"], seq_len=2048)
     assert rows[0]["kv_gib"] == 1.0 and rows[1]["kv_gib"] == 0.25
-    with pytest.raises(KeyError, match="unknown preset"):
+    with pytest.raises(ValueError, match="unknown preset"):
         memory.table(["gpt-5"])
     with pytest.raises(ValueError, match="dtype must be one of"):
         memory.kv_cache_bytes(PRESETS["gpt2"], 10, dtype="fp12")

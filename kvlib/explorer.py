@@ -1,0 +1,168 @@
+"""A KV-cache calculator you can turn the knobs of.
+
+``cache_report`` does the arithmetic of `kvlib.memory` for one setting and
+says whether weights plus cache fit in a GPU. ``bar_svg`` draws the two as
+bars against that GPU's memory, as plain SVG, so the picture survives on a
+static web page. ``explorer()`` wires both to ipywidgets::
+
+    from kvlib.explorer import explorer
+    explorer()            # in Jupyter or Colab: drag the sliders
+
+Only the arithmetic lives here; nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from .config import PRESETS, ModelConfig
+from .memory import DTYPE_BYTES, GiB, _bytes_of, kv_cache_bytes, weight_bytes
+
+MODELS = ["smollm2-135m", "llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3-70b"]  # Llama-family presets
+CONTEXTS = [2**k for k in range(7, 18)]  # 128 ... 131072 tokens
+GPUS_GIB = [16, 24, 40, 80, 141]  # common accelerator memory sizes
+
+
+def _positive_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def kv_head_choices(config: ModelConfig) -> list[int]:
+    """KV-head counts that divide the query heads evenly: 1 (MQA) ... n_head (MHA)."""
+    return [h for h in range(1, config.n_head + 1) if config.n_head % h == 0]
+
+
+def cache_report(
+    config: ModelConfig | str,
+    batch: int,
+    seq_len: int,
+    dtype: str | int = "fp16",
+    n_kv_head: int | None = None,
+    gpu_gib: float = 80,
+    weight_dtype: str | int = "fp16",
+) -> dict:
+    """Weights and cache for one setting, in bytes, and whether both fit in ``gpu_gib``.
+
+    ``n_kv_head`` overrides the model's KV heads (the K and V projections shrink
+    or grow with it, so the weights change too). The cache is stored at
+    ``dtype``, the weights at ``weight_dtype``.
+    """
+    if isinstance(config, str):
+        if config not in PRESETS:
+            raise ValueError(f"unknown preset {config!r}; choose from {sorted(PRESETS)}")
+        config = PRESETS[config]
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig or a preset name, got {type(config).__name__}")
+    _positive_int("batch", batch)
+    _positive_int("seq_len", seq_len)
+    if n_kv_head is not None and n_kv_head != config.n_kv_head:
+        if n_kv_head not in kv_head_choices(config):
+            raise ValueError(
+                f"n_kv_head={n_kv_head!r} must divide n_head={config.n_head}; choose from {kv_head_choices(config)}"
+            )
+        config = config.replace(n_kv_head=n_kv_head)
+    if not gpu_gib > 0:
+        raise ValueError(f"gpu_gib must be positive, got {gpu_gib!r}")
+    weights = weight_bytes(config, weight_dtype)
+    cache = kv_cache_bytes(config, seq_len, batch, dtype)
+    gpu = int(gpu_gib * GiB)
+    return {
+        "model": config.name,
+        "n_layer": config.n_layer, "n_kv_head": config.n_kv_head, "head_dim": config.head_dim,
+        "batch": batch, "seq_len": seq_len, "dtype_bytes": _bytes_of(dtype),
+        "weight_bytes": weights, "cache_bytes": cache, "gpu_bytes": gpu,
+        "fits": weights + cache <= gpu,
+        "cache_over_weights": cache / weights,
+    }
+
+
+def _size(n: float) -> str:
+    """Bytes in the binary unit that reads best: 512.0 KiB, 1.00 GiB, 2.50 TiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def bar_svg(report: dict, width: int = 560) -> str:
+    """Two horizontal bars (weights, cache) on one scale, with the GPU's memory as a dashed line."""
+    w, c, g = report["weight_bytes"], report["cache_bytes"], report["gpu_bytes"]
+    left, right, row = 90, 20, 34
+    scale = (width - left - right) / max(w, c, g)
+    bars = [("weights", w, "#0072B2"), ("KV cache", c, "#D55E00")]
+    height = row * len(bars) + 30
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="kv-bars" width="{width}" height="{height}" '
+             f'role="img" aria-label="weights {_size(w)}, KV cache {_size(c)}, GPU {_size(g)}">']
+    for i, (label, n, color) in enumerate(bars):
+        y = 8 + i * row
+        parts.append(f'<text x="{left - 8}" y="{y + 16}" text-anchor="end" font-size="13">{label}</text>')
+        parts.append(f'<rect class="kv-bar" data-bytes="{n}" x="{left}" y="{y}" width="{n * scale:.1f}" '
+                     f'height="22" fill="{color}"/>')
+        parts.append(f'<text x="{left + min(n * scale, width - left - right - 70) + 6:.1f}" y="{y + 16}" '
+                     f'font-size="12">{_size(n)}</text>')
+    x = left + g * scale
+    parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="2" y2="{height - 22}" stroke="#333" stroke-dasharray="4 3"/>')
+    parts.append(f'<text x="{x:.1f}" y="{height - 6}" text-anchor="end" font-size="12">GPU {_size(g)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def report_html(report: dict) -> str:
+    """The formula with this setting's numbers in it, the verdict, and the bar chart."""
+    r = report
+    total = r["weight_bytes"] + r["cache_bytes"]
+    verdict = ("fits" if r["fits"] else "does <b>not</b> fit") + f" in {_size(r['gpu_bytes'])}"
+    return (
+        f'<div class="kv-report"><p>2 × {r["n_layer"]} layers × {r["batch"]} sequences × {r["n_kv_head"]} KV heads'
+        f' × {r["seq_len"]} tokens × {r["head_dim"]} dims × {r["dtype_bytes"]} bytes = '
+        f'<b>{_size(r["cache_bytes"])}</b> of cache, {r["cache_over_weights"]:.2f}× the weights.</p>'
+        f'<p>{escape(r["model"])}: weights {_size(r["weight_bytes"])} + cache = {_size(total)}, which {verdict}.</p>'
+        f"{bar_svg(r)}</div>"
+    )
+
+
+def explorer(model: str = "llama-2-7b", dtype: str = "fp16", batch: int = 8, seq_len: int = 4096, gpu_gib: int = 80):
+    """An ipywidgets panel: model, cache dtype, batch, context, KV heads and GPU in; bytes and bars out."""
+    import ipywidgets as w  # imported here so kvlib itself does not need ipywidgets
+
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    if seq_len not in CONTEXTS:
+        raise ValueError(f"seq_len must be one of {CONTEXTS}, got {seq_len!r}")
+    if gpu_gib not in GPUS_GIB:
+        raise ValueError(f"gpu_gib must be one of {GPUS_GIB}, got {gpu_gib!r}")
+    style = {"description_width": "110px"}
+    m = w.Dropdown(options=[(PRESETS[k].name, k) for k in MODELS], value=model, description="model", style=style)
+    dt = w.Dropdown(options=list(DTYPE_BYTES), value=dtype, description="cache dtype", style=style)
+    b = w.IntSlider(value=batch, min=1, max=256, description="batch", style=style)
+    s = w.SelectionSlider(options=CONTEXTS, value=seq_len, description="context", style=style)
+    h = w.SelectionSlider(options=kv_head_choices(PRESETS[model]), value=PRESETS[model].n_kv_head,
+                          description="KV heads", style=style)
+    g = w.Dropdown(options=[(f"{x} GiB", x) for x in GPUS_GIB], value=gpu_gib, description="GPU memory", style=style)
+    out = w.HTML()
+    switching = [False]  # True while the KV-head slider is re-filled for a new model
+
+    def on_model(change) -> None:
+        cfg = PRESETS[change["new"]]
+        switching[0] = True
+        try:
+            h.options = kv_head_choices(cfg)  # resets h.value: the refresh it triggers is skipped
+            h.value = cfg.n_kv_head
+        finally:
+            switching[0] = False
+        refresh()
+
+    def refresh(*_) -> None:
+        if switching[0]:
+            return
+        out.value = report_html(cache_report(m.value, b.value, s.value, dt.value, h.value, g.value))
+
+    m.observe(on_model, names="value")
+    for control in (dt, b, s, h, g):
+        control.observe(refresh, names="value")
+    refresh()
+    panel = w.VBox([w.HBox([w.VBox([m, dt, g]), w.VBox([b, s, h])]), out])
+    panel.controls = {"model": m, "dtype": dt, "batch": b, "seq_len": s, "n_kv_head": h, "gpu_gib": g}
+    panel.output = out
+    return panel

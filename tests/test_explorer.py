@@ -1,0 +1,91 @@
+"""The cache explorer: its numbers come from kvlib.memory, and its widgets follow their controls."""
+
+import re
+
+import pytest
+
+from kvlib import PRESETS, memory
+from kvlib.explorer import CONTEXTS, MODELS, bar_svg, cache_report, explorer, kv_head_choices
+
+GiB = 2**30
+
+
+def test_report_is_the_formula():
+    r = cache_report("llama-2-7b", batch=32, seq_len=4096, dtype="fp16", gpu_gib=80)
+    # 2 * 32 layers * 32 seqs * 32 heads * 4096 tokens * 128 dims * 2 bytes, worked by hand: 64 GiB
+    assert r["cache_bytes"] == 2 * 32 * 32 * 32 * 4096 * 128 * 2 == 64 * GiB
+    assert r["weight_bytes"] == memory.weight_bytes(PRESETS["llama-2-7b"], "fp16")
+    # 6,738,415,616 params (Meta's count) * 2 bytes = 12.55 GiB; + 64 GiB = 76.55 GiB: fits 80, not 72
+    assert r["weight_bytes"] == 6_738_415_616 * 2
+    assert r["fits"] is True
+    assert cache_report("llama-2-7b", batch=32, seq_len=4096, gpu_gib=72)["fits"] is False
+
+
+def test_kv_heads_override_changes_cache_and_weights():
+    base = cache_report("llama-2-7b", 1, 2048)
+    gqa = cache_report("llama-2-7b", 1, 2048, n_kv_head=8)
+    assert base["cache_bytes"] == 4 * gqa["cache_bytes"] == GiB
+    # K and V projections shrink from 4096x4096 to 4096x1024 in each of 32 layers, at 2 bytes
+    assert base["weight_bytes"] - gqa["weight_bytes"] == 32 * 2 * 4096 * (4096 - 1024) * 2
+
+
+def test_kv_head_choices_divide_the_query_heads():
+    assert kv_head_choices(PRESETS["smollm2-135m"]) == [1, 3, 9]
+    assert kv_head_choices(PRESETS["llama-3-70b"]) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_bars_scale_with_bytes():
+    r = cache_report("llama-3-8b", 16, 8192, gpu_gib=80)
+    svg = bar_svg(r)
+    widths = [float(x) for x in re.findall(r'class="kv-bar" data-bytes="\d+" x="\d+" y="\d+" width="([\d.]+)"', svg)]
+    assert len(widths) == 2
+    assert widths[1] / widths[0] == pytest.approx(r["cache_bytes"] / r["weight_bytes"], rel=1e-3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"config": "gpt-5"}, "unknown preset"),
+    ({"batch": 0}, "batch must be a positive int"),
+    ({"seq_len": 2.5}, "seq_len must be a positive int"),
+    ({"n_kv_head": 5}, "must divide n_head=32"),
+    ({"dtype": "fp12"}, "dtype must be one of"),
+    ({"gpu_gib": 0}, "gpu_gib must be positive"),
+])
+def test_bad_input(kwargs, match):
+    args = {"config": "llama-2-7b", "batch": 1, "seq_len": 128} | kwargs
+    with pytest.raises(ValueError, match=match):
+        cache_report(**args)
+
+
+def test_bad_config_type():
+    with pytest.raises(TypeError, match="ModelConfig or a preset name"):
+        cache_report(42, 1, 1)
+
+
+def test_widget_follows_its_controls():
+    pytest.importorskip("ipywidgets")
+    panel = explorer()
+    c = panel.controls
+    assert "16.00 GiB" in panel.output.value  # 8 x 4096 tokens of Llama-2-7B at 0.5 MiB each
+    c["batch"].value = 32
+    assert "64.00 GiB" in panel.output.value
+    c["model"].value = "llama-3-70b"  # the KV-head slider refills with 70B's divisors and its own default
+    assert list(c["n_kv_head"].options) == kv_head_choices(PRESETS["llama-3-70b"])
+    assert c["n_kv_head"].value == 8
+    assert "does <b>not</b> fit" in panel.output.value  # 131 GiB of weights alone exceed 80 GiB
+    c["gpu_gib"].value = 141
+    c["batch"].value = 1
+    assert "which fits" in panel.output.value
+    c["n_kv_head"].value = 64
+    c["model"].value = "smollm2-135m"
+    assert c["n_kv_head"].value == 3
+    r = cache_report("smollm2-135m", 1, 4096, "fp16", 3, 141)
+    assert f"× {r['n_kv_head']} KV heads" in panel.output.value
+
+
+def test_widget_rejects_unknown_settings():
+    pytest.importorskip("ipywidgets")
+    with pytest.raises(ValueError, match="model must be one of"):
+        explorer(model="gpt2")
+    with pytest.raises(ValueError, match="seq_len must be one of"):
+        explorer(seq_len=1000)
+    assert set(MODELS) <= set(PRESETS) and CONTEXTS[0] == 128
