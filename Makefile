@@ -11,6 +11,7 @@ vendor:
 	./scripts/vendor_js.sh
 
 book: setup vendor
+	rm -rf _build/html  # Sphinx does not overwrite a changed static file; the executed notebooks stay cached in _build/.jupyter_cache
 	jupyter-book build -W -n --keep-going .
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
