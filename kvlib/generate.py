@@ -14,6 +14,7 @@ import torch
 
 from .cache import Cache, StaticCache
 from .model import Transformer
+from .padding import pad, position_ids
 
 
 # -- sampling ---------------------------------------------------------------------------
@@ -105,9 +106,7 @@ def _as_batch(prompt_ids, model: Transformer, attention_mask=None, pad_id: int =
             raise TypeError("prompt_ids given as lists must contain only ints")
         if any(len(r) == 0 for r in rows):
             raise ValueError(f"prompt {[len(r) for r in rows].index(0)} is empty: every prompt needs a token")
-        T = max(len(r) for r in rows)
-        ids = torch.tensor([[pad_id] * (T - len(r)) + r for r in rows], dtype=torch.long)  # left padding
-        valid = torch.tensor([[False] * (T - len(r)) + [True] * len(r) for r in rows])
+        ids, valid = pad(rows, pad_id, side="left")  # (B, T) each
     elif isinstance(prompt_ids, (list, tuple)):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise TypeError("prompt_ids given as a list must contain only ints")
@@ -132,11 +131,6 @@ def _as_batch(prompt_ids, model: Transformer, attention_mask=None, pad_id: int =
         ids = ids.masked_fill(~valid, 0)  # pad ids never reach a real token's output; keep them in range
         valid = valid.to(model.device)
     return ids.to(device=model.device, dtype=torch.long), valid
-
-
-def _positions(valid: torch.Tensor) -> torch.Tensor:
-    """RoPE positions for left-padded rows: each row's first real token is position 0."""
-    return (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # (B, T); pads sit at 0, unseen
 
 
 def _stop_set(stop, device) -> torch.Tensor | None:
@@ -201,7 +195,7 @@ def _cached_stepper(model: Transformer, ids: torch.Tensor, cache: Cache, valid: 
 
         return next_logits
 
-    state = {"valid": valid, "pos": _positions(valid)}  # (B, S) key mask, (B, T) positions
+    state = {"valid": valid, "pos": position_ids(valid)}  # (B, S) key mask, (B, T) positions
 
     def next_logits_padded(tok):
         if tok is not None:  # one new real token per row: a True key, the next position
@@ -226,7 +220,7 @@ def _naive_stepper(model: Transformer, ids: torch.Tensor, valid: torch.Tensor | 
         if valid is None:
             return model(full, last_only=True)[:, -1]  # recompute every position, every step
         key_valid = torch.cat(masks, dim=1)
-        return model(full, positions=_positions(key_valid), key_valid=key_valid, last_only=True)[:, -1]
+        return model(full, positions=position_ids(key_valid), key_valid=key_valid, last_only=True)[:, -1]
 
     return next_logits
 

@@ -12,6 +12,7 @@ Blocks are pre-norm: RMSNorm -> attention (RoPE on q and k, GQA via
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -88,7 +89,9 @@ class Attention(nn.Module):
         # q, k and v in one matmul: columns [q | k | v]
         self.wqkv = Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim)
         self.wo = Linear(cfg.n_head * cfg.head_dim, cfg.d_model)
-        self.impl = "sdpa"  # "sdpa" (torch's fused kernel) or "reference" (kvlib.attention)
+        # "sdpa" (torch's fused kernel), "reference" (kvlib.attention), or your own
+        # fn(q, k, v, mask) -> y; see Transformer.set_attention_impl
+        self.impl: str | Callable = "sdpa"
 
     def forward(
         self,
@@ -107,7 +110,9 @@ class Attention(nn.Module):
         v = qkv[:, :, H + H_kv :].transpose(1, 2)  # (B, H_kv, T, D)
         if cache is not None:  # NEW: append this step's k, v; attend over everything cached
             k, v = cache.update(self.layer, k, v)  # (B, H_kv, S, D)
-        if self.impl == "reference":
+        if callable(self.impl):
+            y = self.impl(q, k, v, mask)  # (B, H, T, D), a learner's kernel
+        elif self.impl == "reference":
             y = attention(q, k, v, mask)
         elif mask is None:  # a decode step, or a fresh unpadded prefill (see Transformer.forward)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=H != H_kv)
@@ -237,7 +242,7 @@ class Transformer(nn.Module):
         # Everything else (prefill into a non-empty cache, padding) gets an explicit
         # bottom-right-aligned mask.
         mask = None
-        if key_valid is not None or (T > 1 and past > 0) or self.layers[0].attn.impl == "reference":
+        if key_valid is not None or (T > 1 and past > 0) or self.layers[0].attn.impl != "sdpa":
             mask = attention_mask(T, past + T, key_valid, device=tokens.device)
             if key_valid is not None:
                 # A query that may see no key at all (a left-pad token) would give NaN; let
@@ -267,9 +272,15 @@ class Transformer(nn.Module):
         small.layers = nn.ModuleList(self.layers[:n])
         return small.eval()
 
-    def set_attention_impl(self, impl: str) -> None:
-        """Switch every layer between "sdpa" and the readable "reference" attention."""
-        if impl not in ("sdpa", "reference"):
-            raise ValueError(f"attention impl must be 'sdpa' or 'reference', got {impl!r}")
+    def set_attention_impl(self, impl: str | Callable) -> None:
+        """Choose every layer's attention: "sdpa" (fast), "reference" (readable), or a function.
+
+        A function is called as ``fn(q, k, v, mask) -> y`` with ``q`` ``(B, H, T, D)``,
+        ``k`` and ``v`` ``(B, H_kv, S, D)`` (the whole cache, this step included) and
+        ``mask`` the bool ``(B or 1, 1, T, S)`` bottom-right causal + padding mask
+        (True = may attend); it returns ``(B, H, T, D)``. Use it to try a kernel of your own.
+        """
+        if not callable(impl) and impl not in ("sdpa", "reference"):
+            raise ValueError(f"attention impl must be 'sdpa', 'reference' or a function (q, k, v, mask) -> y, got {impl!r}")
         for block in self.layers:
             block.attn.impl = impl

@@ -152,7 +152,7 @@ def test_gpt2_preset_is_for_memory_math_only():
 
 
 def test_bad_attention_impl():
-    with pytest.raises(ValueError, match="'sdpa' or 'reference'"):
+    with pytest.raises(ValueError, match="'sdpa', 'reference' or a function"):
         tiny().set_attention_impl("flash")
 
 
@@ -178,3 +178,35 @@ def test_reset_parameters_std_and_bad_std():
     assert 0.45 < float(w.std()) < 0.55 and torch.equal(model.layers[0].attn_norm.weight, torch.ones(32))
     with pytest.raises(ValueError, match="std must be positive"):
         model.reset_parameters(std=0)
+
+
+def test_a_function_as_attention_impl_gets_the_full_mask():
+    """A learner's kernel plugged in with set_attention_impl sees q, the whole cache and the bottom-right mask."""
+    model = tiny(n_head=6, n_kv_head=2)
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(6))
+    seen = []
+
+    def mine(q, k, v, mask):
+        seen.append((q.shape[2], k.shape[2], tuple(mask.shape)))
+        return kvlib.attention(q, k, v, mask)
+
+    with torch.inference_mode():
+        fast = model(tokens)
+        model.set_attention_impl(mine)
+        cache = StaticCache.for_model(model.config, 2, 9)
+        mine_cached = torch.cat([model(tokens[:, :5], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(5, 9)], 1)
+    torch.testing.assert_close(mine_cached, fast, **TOL)
+    assert seen[0] == (5, 5, (1, 1, 5, 5)) and seen[-1] == (1, 9, (1, 1, 1, 9))
+
+
+def test_is_causal_true_in_a_decode_step_is_wrong():
+    """SDPA's is_causal aligns the mask top-left: a one-token query then sees only key 0."""
+    model = tiny(n_head=4, n_kv_head=4)
+    tokens = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        full = model(tokens)[:, -1]
+        model.set_attention_impl(lambda q, k, v, mask: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        cache = DynamicCache(model.config.n_layer)
+        model(tokens[:, :7], cache)
+        wrong = model(tokens[:, 7:], cache)[:, -1]
+    assert (wrong - full).abs().max() > 1e-2

@@ -1,0 +1,64 @@
+"""Batches of prompts with different lengths.
+
+A tensor is a rectangle, so a batch of prompts of lengths 3 and 5 becomes a
+``(2, 5)`` block with two pad slots. Three things keep the pads from changing
+any real token's output:
+
+* a **key mask** (``valid``, ``False`` on pads) so that no query attends to a pad;
+* **position ids** that count only real tokens, so RoPE sees each prompt start at 0;
+* reading each row's next-token logits at its **last real token**.
+
+With left padding (``side="left"``) every row's last real token is the last
+column, and each decode step appends at the same column for every row: that is
+what `kvlib.generate` does. Right padding works too, but then the last real
+token sits at a different column in each row, and new tokens land after the pads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pad(rows: list[list[int]], pad_id: int = 0, side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token lists to one ``(B, T)`` tensor. Returns ``(ids, valid)``, ``valid`` False on pads."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, (list, tuple)) for r in rows):
+        raise TypeError("rows must be a non-empty list of token-id lists")
+    if any(len(r) == 0 for r in rows):
+        raise ValueError(f"row {[len(r) for r in rows].index(0)} is empty: every row needs at least one token")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for r in rows for t in r):
+        raise TypeError("rows must contain only int token ids")
+    T = max(len(r) for r in rows)
+    ids, valid = [], []
+    for r in rows:
+        fill = T - len(r)
+        ids.append([pad_id] * fill + list(r) if side == "left" else list(r) + [pad_id] * fill)
+        valid.append([False] * fill + [True] * len(r) if side == "left" else [True] * len(r) + [False] * fill)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(valid)
+
+
+def _check_valid(valid: torch.Tensor) -> None:
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
+        raise TypeError(f"valid must be a (batch, seq) bool tensor, got {getattr(valid, 'dtype', type(valid).__name__)} "
+                        f"of shape {tuple(getattr(valid, 'shape', ()))}")
+
+
+def position_ids(valid: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` positions that count real tokens only: each row's first real token is 0.
+
+    Pads get the position of the real token before them (or 0); they are masked
+    out as keys, so their value never matters.
+    """
+    _check_valid(valid)
+    return (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
+
+
+def last_index(valid: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` column of each row's last real token: where its next-token logits are."""
+    _check_valid(valid)
+    if not bool(valid.any(dim=-1).all()):
+        raise ValueError(f"rows {(~valid.any(dim=-1)).nonzero().flatten().tolist()} have no real token")
+    T = valid.shape[-1]
+    cols = torch.arange(T, device=valid.device).expand_as(valid)  # (B, T)
+    return torch.where(valid, cols, -1).amax(dim=-1)

@@ -1,0 +1,76 @@
+"""kvlib.padding: padded batches, position ids and where each row's next token is read."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvlib
+from kvlib.padding import last_index, pad, position_ids
+
+rows_strategy = st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=7), min_size=1, max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=rows_strategy, side=st.sampled_from(["left", "right"]))
+def test_pad_keeps_every_row_and_marks_the_pads(rows, side):
+    ids, valid = pad(rows, pad_id=0, side=side)
+    T = max(map(len, rows))
+    assert ids.shape == valid.shape == (len(rows), T)
+    for i, r in enumerate(rows):
+        assert ids[i][valid[i]].tolist() == r  # the real tokens, in order
+        assert (ids[i][~valid[i]] == 0).all()
+        assert int(valid[i].sum()) == len(r)
+        if side == "left":
+            assert valid[i, T - len(r):].all()
+        else:
+            assert valid[i, : len(r)].all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=rows_strategy, side=st.sampled_from(["left", "right"]))
+def test_positions_count_real_tokens_and_last_index_finds_the_last_one(rows, side):
+    _, valid = pad(rows, side=side)
+    pos, last = position_ids(valid), last_index(valid)
+    for i, r in enumerate(rows):
+        assert pos[i][valid[i]].tolist() == list(range(len(r)))  # each prompt starts at position 0
+        assert bool(valid[i, last[i]]) and not valid[i, last[i] + 1:].any()
+        assert int(pos[i, last[i]]) == len(r) - 1
+
+
+def test_no_padding_positions_are_arange_and_last_is_the_last_column():
+    valid = torch.ones(3, 6, dtype=torch.bool)
+    assert torch.equal(position_ids(valid), torch.arange(6).expand(3, 6))
+    assert last_index(valid).tolist() == [5, 5, 5]
+
+
+def test_left_and_right_padding_give_the_same_next_token_logits():
+    """Side does not matter once masks, positions and the read-out column are right."""
+    torch.manual_seed(0)
+    cfg = kvlib.PRESETS["tiny"]
+    model = kvlib.Transformer(cfg).eval()
+    model.reset_parameters(seed=0, std=0.2)  # sharp logits: differences would show
+    rows = [[5, 9, 2, 7, 1], [3, 8], [4, 4, 6]]
+    out = {}
+    for side in ("left", "right"):
+        ids, valid = pad(rows, side=side)
+        logits = model(ids, positions=position_ids(valid), key_valid=valid)  # (B, T, vocab)
+        out[side] = logits[torch.arange(len(rows)), last_index(valid)]
+    alone = torch.cat([model(torch.tensor([r]))[:, -1] for r in rows])
+    torch.testing.assert_close(out["left"], alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out["right"], alone, rtol=0, atol=1e-5)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="side must be"):
+        pad([[1]], side="middle")
+    with pytest.raises(ValueError, match="row 1 is empty"):
+        pad([[1], []])
+    with pytest.raises(TypeError, match="non-empty list"):
+        pad([])
+    with pytest.raises(TypeError, match="only int"):
+        pad([[1, 2.0]])
+    with pytest.raises(TypeError, match="bool tensor"):
+        position_ids(torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
+        last_index(torch.tensor([[True], [False]]))
