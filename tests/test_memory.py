@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import kvlib
 from kvlib import PRESETS, StaticCache, Transformer, cost, memory
 
 GiB = 2**30
@@ -72,3 +73,22 @@ def test_table_rows_and_bad_input():
 def test_param_count_matches_a_built_model():
     cfg = PRESETS["mistral-7b"]
     assert cost.param_count(cfg) == sum(p.numel() for p in Transformer(cfg, device="meta").parameters())
+
+
+def test_vllm_papers_opt_13b_figures():
+    # Kwon et al. 2023 (vLLM), section 3: "for the 13B parameter OPT model, the KV cache of a single
+    # token demands 800 KB of space, calculated as 2 (key and value vectors) x 5120 (hidden state
+    # size) x 40 (number of layers) x 2 (bytes per FP16)" and "up to 2048 tokens ... as much as 1.6 GB".
+    # OPT-13B: 40 layers, 40 heads of 128 = 5120, multi-head attention, 2048-token context.
+    opt13b = kvlib.ModelConfig(n_layer=40, n_head=40, n_kv_head=40, d_model=5120, d_ff=20480,
+                               vocab_size=50272, max_seq_len=2048, family="gpt2", name="OPT-13B")
+    assert memory.kv_bytes_per_token(opt13b, "fp16") == 800 * 1024  # "800 KB" is KiB
+    per_request = memory.kv_cache_bytes(opt13b, 2048, 1, "fp16")
+    assert per_request == 1600 * 2**20  # 1600 MiB: the paper's "1.6 GB" counts 1000 of its 1 MiB "MB" per GB
+
+
+def test_gqa_papers_kv_head_counts_shrink_the_cache_by_the_group():
+    # Ainslie et al. 2023: GQA-8 on a 64-head model keeps 8 KV heads, an 8x smaller cache than MHA.
+    l70 = PRESETS["llama-3-70b"]
+    mha = l70.replace(n_kv_head=l70.n_head)
+    assert memory.kv_bytes_per_token(mha) == 8 * memory.kv_bytes_per_token(l70)
