@@ -107,3 +107,37 @@ def attention(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return softmax(scores, dim=-1) @ v  # (B, H, Tq, D)
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The same result as `attention`, without copying KV heads.
+
+    The ``H`` query heads are viewed as ``H_kv`` groups of ``G = H / H_kv``; each
+    group multiplies its one KV head directly. `repeat_kv` materialises ``G``
+    copies of the cache; this reads it once, which is the point of GQA/MQA.
+    Shapes as in `attention`; ``mask`` is ``(Tq, Tk)`` or ``(B or 1, 1, Tq, Tk)``.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"q, k, v must be 4-D with k.shape == v.shape; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, Tq, D = q.shape
+    H_kv, Tk = k.shape[1], k.shape[2]
+    if k.shape[0] != B or k.shape[3] != D or H % H_kv != 0:
+        raise ValueError(f"q {tuple(q.shape)} cannot be grouped over k {tuple(k.shape)}: need the same batch and "
+                         f"head_dim, and H={H} divisible by H_kv={H_kv}")
+    G = H // H_kv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qg = q.reshape(B, H_kv, G, Tq, D)  # (B, H_kv, G, Tq, D): query heads grouped by their KV head
+    scores = torch.einsum("bkgtd,bksd->bkgts", qg, k) * scale  # (B, H_kv, G, Tq, Tk)
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (Tq, Tk) -> (1, 1, Tq, Tk)
+        if mask.dim() != 4 or mask.shape[1] != 1:
+            raise ValueError(f"grouped_attention takes a mask shared by all heads, (B or 1, 1, Tq, Tk); got {tuple(mask.shape)}")
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # (B|1, 1, 1, Tq, Tk)
+    out = torch.einsum("bkgts,bksd->bkgtd", softmax(scores, dim=-1), v)  # (B, H_kv, G, Tq, D)
+    return out.reshape(B, H, Tq, D)

@@ -1,0 +1,184 @@
+"""Multi-head latent attention (MLA), in the style of DeepSeek-V2.
+
+MHA caches ``2 * H * D`` numbers per token per layer. MLA caches a single
+latent vector ``c_kv`` of ``d_c`` numbers, from which every head's key and
+value are *up-projected*, plus one small RoPE key ``k_rope`` of ``d_rope``
+numbers shared by all heads (RoPE cannot be folded into the up-projection,
+so the position-dependent part of the key is kept apart, "decoupled")::
+
+    c_kv   = RMSNorm(x W_dkv)                      (B, T, d_c)      cached
+    k_rope = RoPE(x W_kr)                          (B, T, d_rope)   cached
+    k_h    = [c_kv W_uk_h , k_rope]                (B, S, d_nope + d_rope)
+    v_h    =  c_kv W_uv_h                          (B, S, d_v)
+    q_h    = [q_nope_h , RoPE(q_rope_h)]
+
+Two ways to compute the same attention:
+
+* **naive**: up-project the whole cached ``c_kv`` to keys and values at every
+  step, then attend as usual. Work per step grows with ``S * d_c * H * (d_nope + d_v)``.
+* **absorbed**: ``q_nope_h · (c_kv W_uk_h) = (q_nope_h W_uk_hᵀ) · c_kv``, so fold
+  ``W_uk`` into the query and attend over ``c_kv`` directly; likewise apply
+  ``W_uv`` after the weighted sum of latents. The cache is read as it is.
+
+Both are here, and the tests check that they agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .attention import causal_mask, softmax
+from .cache import DynamicCache
+from .model import Linear, RMSNorm, apply_rope, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    d_model: int
+    n_head: int
+    d_c: int  # latent width: DeepSeek-V2's kv_lora_rank
+    d_nope: int  # per-head key width that comes from the latent (qk_nope_head_dim)
+    d_rope: int  # width of the shared, RoPE-rotated key (qk_rope_head_dim)
+    d_v: int  # per-head value width (v_head_dim)
+    d_cq: int | None = None  # query latent width (q_lora_rank); None: a full-rank query projection
+    n_layer: int = 1
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("d_model", "n_head", "d_c", "d_nope", "d_rope", "d_v", "n_layer"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"MLAConfig.{f} must be a positive int, got {v!r}")
+        if self.d_rope % 2:
+            raise ValueError(f"RoPE rotates pairs, so d_rope must be even, got {self.d_rope}")
+        if self.d_cq is not None and (not isinstance(self.d_cq, int) or self.d_cq <= 0):
+            raise ValueError(f"d_cq must be a positive int or None, got {self.d_cq!r}")
+
+    def kv_elements_per_token(self) -> int:
+        """Numbers cached per token, all layers: ``n_layer * (d_c + d_rope)``."""
+        return self.n_layer * (self.d_c + self.d_rope)
+
+    def kv_bytes_per_token(self, dtype_bytes: float = 2) -> float:
+        return self.kv_elements_per_token() * dtype_bytes
+
+
+# DeepSeek-V2 (236 B total, 21 B active parameters), from its paper and config.json:
+# 60 layers, d_model 5120, 128 heads, kv_lora_rank 512, q_lora_rank 1536,
+# qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128.
+DEEPSEEK_V2 = MLAConfig(d_model=5120, n_head=128, d_c=512, d_nope=128, d_rope=64, d_v=128, d_cq=1536,
+                        n_layer=60, name="DeepSeek-V2")
+
+
+class LatentCache(DynamicCache):
+    """A per-layer cache of ``c_kv`` ``(B, 1, S, d_c)`` (in ``keys``) and ``k_rope`` ``(B, 1, S, d_rope)`` (in ``values``).
+
+    The same `Cache` protocol as the K/V caches (``update``, ``seq_len``, ``nbytes``,
+    ``crop``, ``reset``); only the two tensors have different widths.
+    """
+
+    def _check(self, layer: int, c: torch.Tensor, kr: torch.Tensor) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < self.n_layer:
+            raise IndexError(f"layer {layer!r} is out of range for a cache of {self.n_layer} layers")
+        if not isinstance(c, torch.Tensor) or not isinstance(kr, torch.Tensor):
+            raise TypeError(f"c_kv and k_rope must be tensors, got {type(c).__name__} and {type(kr).__name__}")
+        if c.dim() != 4 or kr.dim() != 4 or c.shape[:3] != kr.shape[:3] or c.shape[1] != 1 or c.shape[2] == 0:
+            raise ValueError(f"c_kv and k_rope must be (B, 1, T, width) with the same B and T >= 1; "
+                             f"got {tuple(c.shape)} and {tuple(kr.shape)}")
+        if self._spec is None:
+            self._spec = (c.shape[0], c.shape[3], kr.shape[3], c.dtype, c.device)
+            return
+        want = self._spec[:3]
+        if (c.shape[0], c.shape[3], kr.shape[3]) != want:
+            raise ValueError(f"LatentCache holds (batch, d_c, d_rope)={want}, update(layer={layer}) got "
+                             f"{(c.shape[0], c.shape[3], kr.shape[3])}")
+
+
+class MLAAttention(nn.Module):
+    """One MLA attention layer; ``forward(..., absorbed=True)`` uses the weight-absorbed form."""
+
+    def __init__(self, cfg: MLAConfig, layer: int = 0) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        H, dq = cfg.n_head, cfg.d_nope + cfg.d_rope
+        if cfg.d_cq is None:
+            self.w_q = Linear(cfg.d_model, H * dq)
+        else:  # low-rank query: DeepSeek-V2 compresses queries too (it saves activations, not cache)
+            self.w_dq = Linear(cfg.d_model, cfg.d_cq)
+            self.q_norm = RMSNorm(cfg.d_cq, cfg.norm_eps)
+            self.w_uq = Linear(cfg.d_cq, H * dq)
+        self.w_dkv = Linear(cfg.d_model, cfg.d_c + cfg.d_rope)  # columns [c_kv | k_rope]
+        self.kv_norm = RMSNorm(cfg.d_c, cfg.norm_eps)
+        self.w_ukv = Linear(cfg.d_c, H * (cfg.d_nope + cfg.d_v))  # per head: [W_uk | W_uv]
+        self.w_o = Linear(H * cfg.d_v, cfg.d_model)
+
+    def reset_parameters(self, seed: int = 0, std: float = 0.02) -> "MLAAttention":
+        """Random weights (norms at 1), for tests and toy experiments."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * std)
+        return self
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_uk`` ``(d_c, H, d_nope)`` and ``W_uv`` ``(d_c, H, d_v)``, views of ``w_ukv``."""
+        c = self.cfg
+        w = self.w_ukv.weight.view(c.d_c, c.n_head, c.d_nope + c.d_v)  # (d_c, H, d_nope + d_v)
+        return w[..., : c.d_nope], w[..., c.d_nope :]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: LatentCache | None = None,
+        absorbed: bool = False,
+    ) -> torch.Tensor:
+        """``x`` ``(B, T, d_model)`` -> ``(B, T, d_model)``; the new tokens follow whatever ``cache`` holds."""
+        c = self.cfg
+        if x.dim() != 3 or x.shape[-1] != c.d_model:
+            raise ValueError(f"x must be (B, T, d_model={c.d_model}), got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H = c.n_head
+        past = 0 if cache is None else cache.seq_len
+        if positions is None:
+            positions = torch.arange(past, past + T, device=x.device)
+        cos, sin = rope_cos_sin(positions.expand(B, T), c.d_rope, c.rope_base, dtype=x.dtype)  # (B, T, d_rope)
+
+        q = self.w_q(x) if c.d_cq is None else self.w_uq(self.q_norm(self.w_dq(x)))
+        q = q.view(B, T, H, c.d_nope + c.d_rope)  # (B, T, H, d_nope + d_rope)
+        q_nope, q_rope = q.split([c.d_nope, c.d_rope], dim=-1)
+        q_rope = apply_rope(q_rope, cos[:, :, None], sin[:, :, None])  # (B, T, H, d_rope)
+
+        ckr = self.w_dkv(x)  # (B, T, d_c + d_rope)
+        c_kv, k_rope = ckr.split([c.d_c, c.d_rope], dim=-1)
+        c_kv = self.kv_norm(c_kv)  # (B, T, d_c)
+        k_rope = apply_rope(k_rope, cos, sin)  # (B, T, d_rope): one rotated key for all heads
+        if cache is not None:  # cache the latent and the RoPE key; nothing per head
+            c_all, kr_all = cache.update(self.layer, c_kv[:, None], k_rope[:, None])  # (B, 1, S, .)
+            c_kv, k_rope = c_all[:, 0], kr_all[:, 0]  # (B, S, d_c), (B, S, d_rope)
+        S = c_kv.shape[1]
+        mask = causal_mask(T, S, device=x.device)  # (T, S), bottom-right
+        scale = 1.0 / math.sqrt(c.d_nope + c.d_rope)
+        W_uk, W_uv = self._up_weights()
+
+        if absorbed:
+            q_lat = torch.einsum("bthn,chn->bhtc", q_nope, W_uk)  # (B, H, T, d_c): W_uk folded into q
+            scores = torch.einsum("bhtc,bsc->bhts", q_lat, c_kv)  # against the latent itself
+            scores = scores + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
+            w = softmax((scores * scale).masked_fill(~mask, float("-inf")), dim=-1)  # (B, H, T, S)
+            o_lat = torch.einsum("bhts,bsc->bhtc", w, c_kv)  # (B, H, T, d_c): weighted latents
+            o = torch.einsum("bhtc,chv->bthv", o_lat, W_uv)  # (B, T, H, d_v): W_uv applied once
+        else:
+            k_nope = torch.einsum("bsc,chn->bhsn", c_kv, W_uk)  # (B, H, S, d_nope): every step, all S
+            v = torch.einsum("bsc,chv->bhsv", c_kv, W_uv)  # (B, H, S, d_v)
+            k = torch.cat([k_nope, k_rope[:, None].expand(B, H, S, c.d_rope)], dim=-1)  # (B, H, S, d_nope + d_rope)
+            qh = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # (B, H, T, d_nope + d_rope)
+            scores = (qh @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+            w = softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            o = (w @ v).transpose(1, 2)  # (B, T, H, d_v)
+        return self.w_o(o.reshape(B, T, H * c.d_v))
