@@ -105,6 +105,12 @@ PRESETS: dict[str, ModelConfig] = {
         n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=32000,
         max_seq_len=32768, rope_base=10000.0, norm_eps=1e-5, name="Mistral-7B-v0.1",
     ),
+    # deepseek-ai/deepseek-llm-67b-base config.json; DeepSeek LLM paper (arXiv 2401.02954), Table 2:
+    # 95 layers, d_model 8192, 64 heads, 8 KV heads, 4096 context. The baseline of DeepSeek-V2's "-93.3%".
+    "deepseek-67b": ModelConfig(
+        n_layer=95, n_head=64, n_kv_head=8, d_model=8192, d_ff=22016, vocab_size=102400,
+        max_seq_len=4096, rope_base=10000.0, norm_eps=1e-6, name="DeepSeek-67B",
+    ),
     # A toy for tests and exercises: small enough to run thousands of times.
     "tiny": ModelConfig(
         n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128, vocab_size=128,
