@@ -73,6 +73,9 @@ class MLAConfig:
 # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128.
 DEEPSEEK_V2 = MLAConfig(d_model=5120, n_head=128, d_c=512, d_nope=128, d_rope=64, d_v=128, d_cq=1536,
                         n_layer=60, name="DeepSeek-V2")
+# DeepSeek-V2-Lite (16 B total): the same head shapes, 16 heads, full-rank queries, 27 layers.
+DEEPSEEK_V2_LITE = MLAConfig(d_model=2048, n_head=16, d_c=512, d_nope=128, d_rope=64, d_v=128, d_cq=None,
+                             n_layer=27, name="DeepSeek-V2-Lite")
 
 
 class LatentCache(DynamicCache):
