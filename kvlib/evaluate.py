@@ -14,11 +14,13 @@ of the true next token and the model's greedy choice. From those:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .cache import Cache
 from .model import Transformer
 
 
@@ -32,19 +34,39 @@ class Score:
         return math.exp(self.nll.double().mean().item())
 
 
-def score(model: Transformer, ids: torch.Tensor | list[int], chunk: int = 256, max_chunks: int | None = None) -> Score:
-    """Score ``ids`` in non-overlapping chunks of ``chunk`` tokens (a short tail is dropped)."""
+def score(
+    model: Transformer,
+    ids: torch.Tensor | list[int],
+    chunk: int = 256,
+    max_chunks: int | None = None,
+    cache_factory: Callable[[int], Cache] | None = None,
+    step: int = 16,
+) -> Score:
+    """Score ``ids`` in non-overlapping chunks of ``chunk`` tokens (a short tail is dropped).
+
+    With ``cache_factory`` (``n_layer -> Cache``), each chunk is fed through a
+    fresh cache ``step`` tokens at a time, the way a decode loop fills it: every
+    piece attends to what the cache returns for the earlier pieces (quantized,
+    say) and to itself. Without it, each chunk is one plain forward pass.
+    """
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if not isinstance(chunk, int) or chunk < 2:
         raise ValueError(f"chunk must be an int >= 2 (one context token and one to predict), got {chunk!r}")
     n = ids.numel() // chunk if max_chunks is None else min(ids.numel() // chunk, max_chunks)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a positive int, got {step!r}")
     if n == 0:
         raise ValueError(f"need at least one chunk of {chunk} tokens, got {ids.numel()} tokens")
     rows = ids[: n * chunk].view(n, chunk).to(model.device)  # (n, chunk)
     nll, greedy = [], []
     with torch.inference_mode():
         for row in rows:  # one chunk at a time: memory stays at one chunk's logits
-            logits = model(row[None]).float()[0, :-1]  # (chunk - 1, vocab): predictions for tokens 1..chunk-1
+            if cache_factory is None:
+                logits = model(row[None]).float()[0, :-1]  # (chunk - 1, vocab): predictions for tokens 1..chunk-1
+            else:
+                cache = cache_factory(model.config.n_layer)
+                pieces = [model(row[None, i:i + step], cache) for i in range(0, chunk, step)]  # (1, <=step, vocab) each
+                logits = torch.cat(pieces, dim=1).float()[0, :-1]
             nll.append(F.cross_entropy(logits, row[1:], reduction="none"))
             greedy.append(logits.argmax(-1))
     return Score(torch.cat(nll).cpu(), torch.cat(greedy).cpu())

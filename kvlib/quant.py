@@ -1,0 +1,272 @@
+"""Quantizing the KV cache: fewer bits per number, plus a scale per group.
+
+Asymmetric ``b``-bit quantization of a group of numbers with minimum ``m`` and
+maximum ``M`` stores::
+
+    s = (M - m) / (2^b - 1)            scale, one per group
+    q = round((x - m) / s)  in [0, 2^b - 1]
+    x̂ = q * s + m                      |x - x̂| <= s / 2
+
+Symmetric quantization drops ``m``: ``s = max|x| / (2^(b-1) - 1)``,
+``q = round(x / s)``, ``x̂ = q * s``, with the same ``s / 2`` bound.
+
+Which numbers share a scale is the **granularity**. The cache is
+``(B, H, S, D)``: *per-token* scales reduce over the channels ``D`` of one
+token; *per-channel* scales reduce over the tokens ``S`` of one channel;
+``group_size`` splits that axis into groups. KIVI (Liu et al., 2024) quantizes
+keys per channel (a few key channels carry large outliers) and values per
+token, and keeps the newest tokens in full precision.
+
+Scales and minimums are stored in fp16 and counted in ``nbytes``. 4-bit and
+2-bit codes are packed two and four to a byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import Cache
+
+BITS = (2, 4, 8)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes ``q`` (uint8, each < 2^bits) along the last dim: ``8 / bits`` codes per byte."""
+    _check_bits(bits)
+    per = 8 // bits
+    if q.shape[-1] % per:
+        raise ValueError(f"the last dim ({q.shape[-1]}) must be a multiple of {per} to pack {bits}-bit codes")
+    if per == 1:
+        return q.to(torch.uint8)
+    q = q.to(torch.uint8).reshape(*q.shape[:-1], q.shape[-1] // per, per)  # (..., n/per, per)
+    shifts = torch.arange(per, dtype=torch.uint8, device=q.device) * bits  # code i goes to bits [i*b, (i+1)*b)
+    return (q << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bits: the sum is an OR
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: ``(..., n / per)`` bytes -> ``(..., n)`` uint8 codes."""
+    _check_bits(bits)
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * bits
+    q = (packed[..., None] >> shifts) & (2**bits - 1)  # (..., n/per, per)
+    return q.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _fp16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to fp16, nudged up where rounding went down: a stored scale must not shrink."""
+    h = x.to(torch.float16)
+    low = h.float() < x
+    return torch.where(low, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def _fp16_at_most(x: torch.Tensor) -> torch.Tensor:
+    h = x.to(torch.float16)
+    high = h.float() > x
+    return torch.where(high, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor: packed codes plus fp16 scales (and minimums, if asymmetric)."""
+
+    codes: torch.Tensor  # uint8, packed along the (moved-last) reduced axis
+    scale: torch.Tensor  # fp16, one per group
+    minimum: torch.Tensor | None  # fp16, one per group; None when symmetric
+    bits: int
+    dim: int  # the axis whose elements share a scale (-1: per token, -2: per channel)
+    shape: tuple[int, ...]  # the original shape
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.minimum is None else self.minimum.nbytes
+        return self.codes.nbytes + self.scale.nbytes + extra
+
+    def dequantize(self) -> torch.Tensor:
+        q = unpack(self.codes, self.bits).float()  # (..., groups, group_size)
+        s = self.scale.float()[..., None]
+        if self.minimum is None:
+            x = (q - 2 ** (self.bits - 1)) * s
+        else:
+            x = q * s + self.minimum.float()[..., None]
+        moved = list(self.shape)
+        moved.append(moved.pop(self.dim))  # the reduced axis was moved last
+        x = x.reshape(moved)
+        return x.movedim(-1, self.dim).to(self.dtype)
+
+
+def quantize(
+    x: torch.Tensor, bits: int, dim: int = -1, group_size: int | None = None, symmetric: bool = False
+) -> QTensor:
+    """Quantize ``x`` with one scale per ``group_size`` consecutive elements along ``dim``.
+
+    ``dim=-1`` on a ``(B, H, S, D)`` cache is per-token, ``dim=-2`` per-channel;
+    ``group_size=None`` shares one scale across the whole axis.
+    """
+    _check_bits(bits)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize needs a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"quantize needs a non-empty tensor with at least one dim, got shape {tuple(x.shape)}")
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    g = n if group_size is None else group_size
+    if not isinstance(g, int) or g <= 0 or n % g:
+        raise ValueError(f"group_size={group_size!r} must be a positive int dividing the axis length {n} (dim {dim})")
+    if g % (8 // bits):
+        raise ValueError(f"group_size {g} must be a multiple of {8 // bits} to pack {bits}-bit codes")
+    xf = x.float().movedim(dim, -1)  # (..., n): the shared axis last
+    xg = xf.reshape(*xf.shape[:-1], n // g, g)  # (..., groups, g)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = _fp16_at_least(xg.abs().amax(-1) / qmax)  # (..., groups)
+        s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))[..., None]
+        q = torch.clamp(torch.round(xg / s), -qmax, qmax) + 2 ** (bits - 1)  # shift to unsigned codes
+        minimum = None
+    else:
+        minimum = _fp16_at_most(xg.amin(-1))  # (..., groups), never above the true minimum
+        span = xg.amax(-1) - minimum.float()
+        scale = _fp16_at_least(span / (2**bits - 1))
+        s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))[..., None]
+        q = torch.clamp(torch.round((xg - minimum.float()[..., None]) / s), 0, 2**bits - 1)
+    return QTensor(pack(q.to(torch.uint8), bits), scale, minimum, bits, dim - x.dim(), tuple(x.shape), x.dtype)
+
+
+class CastCache(Cache):
+    """Stores keys and values in a lower-precision float dtype (fp16, bf16); returns them upcast."""
+
+    def __init__(self, n_layer: int, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__(n_layer)
+        self.store_dtype = dtype
+        self.keys: list[torch.Tensor | None] = [None] * n_layer
+        self.values: list[torch.Tensor | None] = [None] * n_layer
+
+    def update(self, layer, k, v):
+        self._check(layer, k, v)
+        k16, v16 = k.to(self.store_dtype), v.to(self.store_dtype)
+        if self.keys[layer] is not None:
+            k16, v16 = torch.cat([self.keys[layer], k16], 2), torch.cat([self.values[layer], v16], 2)
+        self.keys[layer], self.values[layer] = k16, v16
+        return k16.to(k.dtype), v16.to(v.dtype)
+
+    def get_seq_len(self, layer: int = 0) -> int:
+        return 0 if self.keys[layer] is None else self.keys[layer].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values if t is not None)
+
+    def reset(self) -> None:
+        self.keys, self.values, self._spec = [None] * self.n_layer, [None] * self.n_layer, None
+
+    def crop(self, n: int) -> None:
+        keep = self._crop_target(n)
+        self.keys = [None if t is None else t[:, :, :keep] for t in self.keys]
+        self.values = [None if t is None else t[:, :, :keep] for t in self.values]
+
+    def layer_kv(self, layer):
+        k = self.keys[layer]
+        return None if k is None else (k, self.values[layer])
+
+
+class QuantizedCache(Cache):
+    """A KV cache whose older tokens are quantized, KIVI-style.
+
+    The newest tokens wait in a full-precision **residual** window. Whenever it
+    holds ``residual + block`` tokens, the oldest ``block`` are quantized as
+    one block (per-channel scales need a block of tokens to share them) and
+    leave the window. ``key_dim``/``value_dim`` choose the granularity:
+    ``"channel"`` (scales over the block's tokens) or ``"token"`` (scales over
+    channels, in groups of ``group_size``). ``update`` returns the dequantized
+    blocks followed by the residual, so attention sees what a quantized kernel
+    would compute with.
+    """
+
+    def __init__(
+        self,
+        n_layer: int,
+        bits: int = 4,
+        *,
+        key_dim: str = "channel",
+        value_dim: str = "token",
+        group_size: int | None = None,
+        residual: int = 32,
+        block: int = 32,
+        symmetric: bool = False,
+    ) -> None:
+        super().__init__(n_layer)
+        _check_bits(bits)
+        for name, d in (("key_dim", key_dim), ("value_dim", value_dim)):
+            if d not in ("channel", "token"):
+                raise ValueError(f"{name} must be 'channel' or 'token', got {d!r}")
+        if not isinstance(residual, int) or residual < 0:
+            raise ValueError(f"residual must be an int >= 0, got {residual!r}")
+        if not isinstance(block, int) or block <= 0 or block % (8 // bits):
+            raise ValueError(f"block must be a positive multiple of {8 // bits} for {bits}-bit codes, got {block!r}")
+        self.bits, self.key_dim, self.value_dim = bits, key_dim, value_dim
+        self.group_size, self.residual, self.block, self.symmetric = group_size, residual, block, symmetric
+        self.reset()
+
+    def reset(self) -> None:
+        self.qk: list[list[QTensor]] = [[] for _ in range(self.n_layer)]
+        self.qv: list[list[QTensor]] = [[] for _ in range(self.n_layer)]
+        self.rk: list[torch.Tensor | None] = [None] * self.n_layer  # (B, H, r, D) full precision
+        self.rv: list[torch.Tensor | None] = [None] * self.n_layer
+        self._spec = None
+
+    def _q(self, x: torch.Tensor, how: str) -> QTensor:
+        if how == "channel":  # one scale per channel, shared by the block's tokens
+            return quantize(x, self.bits, dim=-2, symmetric=self.symmetric)
+        return quantize(x, self.bits, dim=-1, group_size=self.group_size, symmetric=self.symmetric)
+
+    def update(self, layer, k, v):
+        self._check(layer, k, v)
+        if self.group_size is not None and k.shape[-1] % self.group_size:
+            raise ValueError(f"group_size {self.group_size} does not divide head_dim {k.shape[-1]}")
+        rk = k if self.rk[layer] is None else torch.cat([self.rk[layer], k], dim=2)
+        rv = v if self.rv[layer] is None else torch.cat([self.rv[layer], v], dim=2)
+        while rk.shape[2] >= self.residual + self.block:  # quantize the oldest block
+            self.qk[layer].append(self._q(rk[:, :, : self.block], self.key_dim))
+            self.qv[layer].append(self._q(rv[:, :, : self.block], self.value_dim))
+            rk, rv = rk[:, :, self.block:], rv[:, :, self.block:]
+        self.rk[layer], self.rv[layer] = rk, rv
+        keys = torch.cat([q.dequantize() for q in self.qk[layer]] + [rk], dim=2)  # (B, H, S, D)
+        values = torch.cat([q.dequantize() for q in self.qv[layer]] + [rv], dim=2)
+        return keys, values
+
+    def get_seq_len(self, layer: int = 0) -> int:
+        r = 0 if self.rk[layer] is None else self.rk[layer].shape[2]
+        return len(self.qk[layer]) * self.block + r
+
+    @property
+    def nbytes(self) -> int:
+        q = sum(t.nbytes for lst in self.qk + self.qv for t in lst)
+        r = sum(t.nbytes for t in self.rk + self.rv if t is not None)
+        return q + r
+
+    def crop(self, n: int) -> None:
+        keep = self._crop_target(n)
+        for layer in range(self.n_layer):
+            keys, values = self.layer_kv(layer) or (None, None)
+            if keys is None:
+                continue
+            nq = min(len(self.qk[layer]), keep // self.block)  # whole quantized blocks that stay
+            self.qk[layer], self.qv[layer] = self.qk[layer][:nq], self.qv[layer][:nq]
+            self.rk[layer] = keys[:, :, nq * self.block: keep]
+            self.rv[layer] = values[:, :, nq * self.block: keep]
+
+    def layer_kv(self, layer):
+        if self.rk[layer] is None:
+            return None
+        keys = torch.cat([q.dequantize() for q in self.qk[layer]] + [self.rk[layer]], dim=2)
+        values = torch.cat([q.dequantize() for q in self.qv[layer]] + [self.rv[layer]], dim=2)
+        return keys, values
