@@ -182,9 +182,9 @@ class QuantizedCache(Cache):
     """A KV cache whose older tokens are quantized, KIVI-style.
 
     The newest tokens wait in a full-precision **residual** window. Whenever it
-    holds ``residual + block`` tokens, the oldest ``block`` are quantized as
-    one block (per-channel scales need a block of tokens to share them) and
-    leave the window. ``key_dim``/``value_dim`` choose the granularity:
+    holds ``residual + block`` tokens or more, the oldest whole blocks of
+    ``block`` tokens are quantized (per-channel scales need a block of tokens to
+    share them) and leave the window. ``key_dim``/``value_dim`` choose the granularity:
     ``"channel"`` (scales over the block's tokens) or ``"token"`` (scales over
     channels, in groups of ``group_size``). ``update`` returns the dequantized
     blocks followed by the residual, so attention sees what a quantized kernel
@@ -228,24 +228,33 @@ class QuantizedCache(Cache):
             return quantize(x, self.bits, dim=-2, symmetric=self.symmetric)
         return quantize(x, self.bits, dim=-1, group_size=self.group_size, symmetric=self.symmetric)
 
+    def _flush(self, t: torch.Tensor, how: str, n_blocks: int) -> list[QTensor]:
+        """Quantize the first ``n_blocks * block`` tokens of ``t``: per-channel block by block,
+        per-token all at once (its scales do not depend on how tokens are grouped)."""
+        if how == "channel":
+            return [self._q(t[:, :, i * self.block:(i + 1) * self.block], how) for i in range(n_blocks)]
+        return [self._q(t[:, :, : n_blocks * self.block], how)]
+
     def update(self, layer, k, v):
         self._check(layer, k, v)
         if self.group_size is not None and k.shape[-1] % self.group_size:
             raise ValueError(f"group_size {self.group_size} does not divide head_dim {k.shape[-1]}")
         rk = k if self.rk[layer] is None else torch.cat([self.rk[layer], k], dim=2)
         rv = v if self.rv[layer] is None else torch.cat([self.rv[layer], v], dim=2)
-        while rk.shape[2] >= self.residual + self.block:  # quantize the oldest block
-            self.qk[layer].append(self._q(rk[:, :, : self.block], self.key_dim))
-            self.qv[layer].append(self._q(rv[:, :, : self.block], self.value_dim))
-            rk, rv = rk[:, :, self.block:], rv[:, :, self.block:]
+        n_blocks = max(0, (rk.shape[2] - self.residual) // self.block)  # whole blocks that leave the window
+        if n_blocks:
+            self.qk[layer] += self._flush(rk, self.key_dim, n_blocks)
+            self.qv[layer] += self._flush(rv, self.value_dim, n_blocks)
+            rk, rv = rk[:, :, n_blocks * self.block:], rv[:, :, n_blocks * self.block:]
         self.rk[layer], self.rv[layer] = rk, rv
-        keys = torch.cat([q.dequantize() for q in self.qk[layer]] + [rk], dim=2)  # (B, H, S, D)
-        values = torch.cat([q.dequantize() for q in self.qv[layer]] + [rv], dim=2)
-        return keys, values
+        return self.layer_kv(layer)
+
+    def _quantized_len(self, layer: int) -> int:
+        return sum(q.shape[2] for q in self.qk[layer])
 
     def get_seq_len(self, layer: int = 0) -> int:
         r = 0 if self.rk[layer] is None else self.rk[layer].shape[2]
-        return len(self.qk[layer]) * self.block + r
+        return self._quantized_len(layer) + r
 
     @property
     def nbytes(self) -> int:
@@ -256,17 +265,19 @@ class QuantizedCache(Cache):
     def crop(self, n: int) -> None:
         keep = self._crop_target(n)
         for layer in range(self.n_layer):
-            keys, values = self.layer_kv(layer) or (None, None)
-            if keys is None:
+            kv = self.layer_kv(layer)
+            if kv is None:
                 continue
-            nq = min(len(self.qk[layer]), keep // self.block)  # whole quantized blocks that stay
-            self.qk[layer], self.qv[layer] = self.qk[layer][:nq], self.qv[layer][:nq]
-            self.rk[layer] = keys[:, :, nq * self.block: keep]
-            self.rv[layer] = values[:, :, nq * self.block: keep]
+            keys, values = kv
+            while self.qk[layer] and self._quantized_len(layer) > keep:  # drop quantized pieces past `keep`
+                self.qk[layer].pop()
+                self.qv[layer].pop()
+            start = self._quantized_len(layer)
+            self.rk[layer], self.rv[layer] = keys[:, :, start:keep], values[:, :, start:keep]  # the rest, as floats
 
     def layer_kv(self, layer):
         if self.rk[layer] is None:
             return None
-        keys = torch.cat([q.dequantize() for q in self.qk[layer]] + [self.rk[layer]], dim=2)
+        keys = torch.cat([q.dequantize() for q in self.qk[layer]] + [self.rk[layer]], dim=2)  # (B, H, S, D)
         values = torch.cat([q.dequantize() for q in self.qv[layer]] + [self.rv[layer]], dim=2)
         return keys, values
