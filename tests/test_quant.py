@@ -165,3 +165,20 @@ def test_bad_quantize_input():
     cache = QuantizedCache(1, 4, group_size=3, key_dim="token", block=2)
     with pytest.raises(ValueError, match="group_size 3 does not divide head_dim 8"):
         cache.update(0, *kv(2))
+
+
+@pytest.mark.parametrize("keep", [0, 5, 32, 40, 64, 70, 100])
+def test_crop_with_keys_and_values_split_differently(keep):
+    # per-channel keys are stored one block at a time, per-token values one flush at a time
+    cache = QuantizedCache(1, 8, key_dim="channel", value_dim="token", residual=4, block=32)
+    k, v = kv(100)
+    full_k, full_v = cache.update(0, k, v)
+    cache.crop(keep)
+    ck, cv = cache.layer_kv(0) if keep else (full_k[:, :, :0], full_v[:, :, :0])
+    assert cache.seq_len == keep and ck.shape[2] == cv.shape[2] == keep
+    torch.testing.assert_close(ck, full_k[:, :, :keep])
+    torch.testing.assert_close(cv, full_v[:, :, :keep])
+    k2, v2 = kv(3, seed=9)
+    nk, nv = cache.update(0, k2, v2)  # and it keeps working
+    assert nk.shape[2] == nv.shape[2] == keep + 3
+    torch.testing.assert_close(nk[:, :, keep:], k2)
