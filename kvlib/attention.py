@@ -78,6 +78,21 @@ def softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return e / torch.where(s > 0, s, torch.ones_like(s))
 
 
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Validate ``q (B, H, Tq, D)``, ``k = v (B, H_kv, Tk, D)``; return ``B, H, Tq, D, H_kv``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, H, Tq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    H_kv = k.shape[1]
+    if H % H_kv != 0:
+        raise ValueError(f"{H} query heads cannot be split evenly over {H_kv} KV heads (H must be divisible by H_kv)")
+    return B, H, Tq, D, H_kv
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,16 +106,7 @@ def attention(
     mask: bool, broadcastable to ``(B, H, Tq, Tk)``, ``True`` = may attend.
     Returns ``(B, H, Tq, D)``.
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, H, Tq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
-    H_kv = k.shape[1]
-    if H % H_kv != 0:
-        raise ValueError(f"{H} query heads cannot be split evenly over {H_kv} KV heads")
+    B, H, Tq, D, H_kv = _check_qkv(q, k, v)
     k, v = repeat_kv(k, H // H_kv), repeat_kv(v, H // H_kv)  # (B, H, Tk, D)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
@@ -123,13 +129,7 @@ def grouped_attention(
     copies of the cache; this reads it once, which is the point of GQA/MQA.
     Shapes as in `attention`; ``mask`` is ``(Tq, Tk)`` or ``(B or 1, 1, Tq, Tk)``.
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"q, k, v must be 4-D with k.shape == v.shape; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, H, Tq, D = q.shape
-    H_kv, Tk = k.shape[1], k.shape[2]
-    if k.shape[0] != B or k.shape[3] != D or H % H_kv != 0:
-        raise ValueError(f"q {tuple(q.shape)} cannot be grouped over k {tuple(k.shape)}: need the same batch and "
-                         f"head_dim, and H={H} divisible by H_kv={H_kv}")
+    B, H, Tq, D, H_kv = _check_qkv(q, k, v)
     G = H // H_kv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qg = q.reshape(B, H_kv, G, Tq, D)  # (B, H_kv, G, Tq, D): query heads grouped by their KV head

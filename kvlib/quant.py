@@ -271,16 +271,15 @@ class QuantizedCache(Cache):
             keys, values = kv
             # keys and values may be split into pieces differently (per-channel keys: one piece per
             # block; per-token values: one per flush), so each list is trimmed on its own
-            starts = []
-            for pieces in (self.qk[layer], self.qv[layer]):
-                while pieces and sum(q.shape[2] for q in pieces) > keep:  # drop quantized pieces past `keep`
-                    pieces.pop()
-                starts.append(sum(q.shape[2] for q in pieces))
-            start = min(starts)
-            for pieces in (self.qk[layer], self.qv[layer]):  # keep both lists at the same length in tokens
-                while sum(q.shape[2] for q in pieces) > start:
-                    pieces.pop()
-            start = min(sum(q.shape[2] for q in p) for p in (self.qk[layer], self.qv[layer]))
+            def held(pieces):
+                return sum(q.shape[2] for q in pieces)
+
+            start = keep
+            for _ in range(2):  # trim both lists past `keep`, then to the shorter one's length
+                for pieces in (self.qk[layer], self.qv[layer]):
+                    while held(pieces) > start:
+                        pieces.pop()
+                start = min(held(self.qk[layer]), held(self.qv[layer]))
             self.rk[layer], self.rv[layer] = keys[:, :, start:keep], values[:, :, start:keep]  # the rest, as floats
 
     def layer_kv(self, layer):
