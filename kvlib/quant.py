@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import Cache
+from .cache import Cache, DynamicCache
 
 BITS = (2, 4, 8)
 
@@ -141,41 +141,16 @@ def quantize(
     return QTensor(pack(q.to(torch.uint8), bits), scale, minimum, bits, dim - x.dim(), tuple(x.shape), x.dtype)
 
 
-class CastCache(Cache):
+class CastCache(DynamicCache):
     """Stores keys and values in a lower-precision float dtype (fp16, bf16); returns them upcast."""
 
     def __init__(self, n_layer: int, dtype: torch.dtype = torch.float16) -> None:
         super().__init__(n_layer)
         self.store_dtype = dtype
-        self.keys: list[torch.Tensor | None] = [None] * n_layer
-        self.values: list[torch.Tensor | None] = [None] * n_layer
 
     def update(self, layer, k, v):
-        self._check(layer, k, v)
-        k16, v16 = k.to(self.store_dtype), v.to(self.store_dtype)
-        if self.keys[layer] is not None:
-            k16, v16 = torch.cat([self.keys[layer], k16], 2), torch.cat([self.values[layer], v16], 2)
-        self.keys[layer], self.values[layer] = k16, v16
-        return k16.to(k.dtype), v16.to(v.dtype)
-
-    def get_seq_len(self, layer: int = 0) -> int:
-        return 0 if self.keys[layer] is None else self.keys[layer].shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys + self.values if t is not None)
-
-    def reset(self) -> None:
-        self.keys, self.values, self._spec = [None] * self.n_layer, [None] * self.n_layer, None
-
-    def crop(self, n: int) -> None:
-        keep = self._crop_target(n)
-        self.keys = [None if t is None else t[:, :, :keep] for t in self.keys]
-        self.values = [None if t is None else t[:, :, :keep] for t in self.values]
-
-    def layer_kv(self, layer):
-        k = self.keys[layer]
-        return None if k is None else (k, self.values[layer])
+        keys, values = super().update(layer, k.to(self.store_dtype), v.to(self.store_dtype))
+        return keys.to(k.dtype), values.to(v.dtype)
 
 
 class QuantizedCache(Cache):
