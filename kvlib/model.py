@@ -209,6 +209,7 @@ class Transformer(nn.Module):
         *,
         positions: torch.Tensor | None = None,
         key_valid: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` (or ``(B, 1, vocab)`` with ``last_only``).
@@ -216,6 +217,9 @@ class Transformer(nn.Module):
         tokens: ``(B, T)`` int ids, appended after whatever ``cache`` holds.
         positions: ``(B, T)`` or ``(T,)`` RoPE positions; default ``past + arange(T)``.
         key_valid: ``(B, past + T)`` bool, ``False`` on padding keys.
+        mask: ``(B or 1, 1, T, past + T)`` bool, True where a query may attend. It replaces
+            the causal and padding mask, for caches that lay keys out their own way
+            (`kvlib.paged` right-pads sequences of different lengths).
         """
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
@@ -240,9 +244,16 @@ class Transformer(nn.Module):
         # The mask. A fresh unpadded prefill is plain causal and a single-token decode step
         # may see every key, so both pass mask=None and let SDPA take its fastest path.
         # Everything else (prefill into a non-empty cache, padding) gets an explicit
-        # bottom-right-aligned mask.
-        mask = None
-        if key_valid is not None or (T > 1 and past > 0) or self.layers[0].attn.impl != "sdpa":
+        # bottom-right-aligned mask, unless the caller passed its own.
+        if mask is not None:
+            if key_valid is not None:
+                raise ValueError("pass either mask or key_valid, not both")
+            if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1:] != (1, T, past + T):
+                raise ValueError(
+                    f"mask must be bool ({B} or 1, 1, {T}, {past + T}) for {T} new tokens after {past} cached, "
+                    f"got {mask.dtype} {tuple(mask.shape)}"
+                )
+        elif key_valid is not None or (T > 1 and past > 0) or self.layers[0].attn.impl != "sdpa":
             mask = attention_mask(T, past + T, key_valid, device=tokens.device)
             if key_valid is not None:
                 # A query that may see no key at all (a left-pad token) would give NaN; let
