@@ -685,8 +685,12 @@ class Engine:
         total = len(prompt) + max_new_tokens
         if total > self.model.config.max_seq_len:
             raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceeds max_seq_len={self.model.config.max_seq_len}")
-        if -(-total // self.cache.block_size) > self.cache.num_blocks:
-            raise ValueError(f"{total} tokens need more than the pool's {self.cache.num_blocks} blocks of {self.cache.block_size}")
+        need = max(-(-total // self.cache.block_size), self._blocks_to_admit(len(prompt), n))
+        if need > self.cache.num_blocks:
+            raise ValueError(
+                f"{len(prompt)} prompt + {max_new_tokens} new tokens, {n} samples, need {need} blocks: "
+                f"more than the pool's {self.cache.num_blocks} blocks of {self.cache.block_size}"
+            )
         rid = len(self.requests)
         req = Request(rid, prompt, max_new_tokens, n, temperature, top_k, top_p, [[] for _ in range(n)], [False] * n)
         self.requests[rid] = req
@@ -703,12 +707,15 @@ class Engine:
         req.done[i] = token in self.stop or len(req.outputs[i]) >= req.max_new_tokens
         return req.done[i]
 
+    def _blocks_to_admit(self, n_tokens: int, n_samples: int) -> int:
+        """The prompt, one decode step's growth, and one copy of the last block per extra fork."""
+        return -(-(n_tokens + 1) // self.cache.block_size) + n_samples - 1
+
     def _admit(self) -> None:
-        bs = self.cache.block_size
         while self.waiting:
             req, which, tokens = self.waiting[0]
             samples = list(range(req.n)) if which < 0 else [which]
-            need = -(-(len(tokens) + 1) // bs) + len(samples)  # the prompt, one step's growth, one copy per fork
+            need = self._blocks_to_admit(len(tokens), len(samples))
             if need > self.cache.allocator.num_free or len(self.running) + len(samples) > self.max_batch:
                 if not self.running and need > self.cache.allocator.num_free:
                     raise OutOfBlocks(f"a request of {len(tokens)} tokens needs {need} blocks; the pool has {self.cache.num_blocks}")

@@ -1,0 +1,556 @@
+"""kvlib.paged against contiguous references: the allocator's bookkeeping, the pools'
+contents, copy-on-write, prefix caching, and whole generations through the engine."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvlib
+from kvlib import DynamicCache, ModelConfig, Transformer
+from kvlib.attention import attention_mask, grouped_attention
+from kvlib.paged import (
+    BlockAllocator,
+    Engine,
+    OutOfBlocks,
+    PagedCache,
+    gather,
+    paged_attention,
+    slot_mapping,
+)
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def prefix_values(tokens: list[int]) -> list[float]:
+    """Stand-in K for a token: a function of the token and everything before it, like a real
+    model's keys. Values stay below 2**16, so float32 holds them exactly."""
+    out, h = [], 0
+    for t in tokens:
+        h = (h * 1009 + t + 1) % 65521
+        out.append(float(h))
+    return out
+
+
+def append(cache: PagedCache, sid: int, new: list[int]) -> None:
+    """Append ``new`` tokens to one sequence through the Cache protocol (no model)."""
+    batch = cache.step([sid], [new])
+    vals = prefix_values(cache.tokens(sid) + new)[-len(new):]
+    k = torch.tensor(vals).view(1, 1, len(new), 1).expand(1, cache.n_kv_head, len(new), cache.head_dim)
+    for layer in range(cache.n_layer):
+        batch.update(layer, k.contiguous(), -k.contiguous())
+
+
+def assert_holds(cache: PagedCache, sid: int) -> None:
+    """The sequence's K/V, read back through its block table, are exactly what was written."""
+    toks = cache.tokens(sid)
+    if not toks:
+        return
+    want = torch.tensor(prefix_values(toks)).view(1, 1, -1, 1).expand(1, cache.n_kv_head, len(toks), cache.head_dim)
+    for layer in range(cache.n_layer):
+        k, v = cache.layer_kv(sid, layer)
+        assert torch.equal(k, want), f"sequence {sid} layer {layer}: keys corrupted"
+        assert torch.equal(v, -want), f"sequence {sid} layer {layer}: values corrupted"
+
+
+def start(cache: PagedCache, prompt: list[int]) -> int:
+    """add + write whatever the prefix cache did not already hold."""
+    sid, cached = cache.add(prompt)
+    if cached < len(prompt):
+        append(cache, sid, prompt[cached:])
+    return sid
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=128)
+    m = Transformer(cfg)
+    m.reset_parameters(seed=0, std=0.2)  # sharp logits: no argmax ties, so token equality is a fair test
+    return m.eval()
+
+
+# -- the allocator --------------------------------------------------------------------------------------
+def test_allocator_hands_out_every_block_once_then_runs_out():
+    a = BlockAllocator(4, 2)
+    got = [a.allocate() for _ in range(4)]
+    assert sorted(got) == [0, 1, 2, 3] and a.num_free == 0
+    with pytest.raises(OutOfBlocks, match="all 4 blocks"):
+        a.allocate()
+    a.free(got[2])
+    assert a.allocate() == got[2]
+    a.check()
+
+
+def test_allocator_refcounts_and_errors():
+    a = BlockAllocator(3, 2)
+    b = a.allocate()
+    a.share(b)
+    assert a.refcount[b] == 2
+    a.free(b)
+    assert a.refcount[b] == 1 and a.num_free == 2  # still owned once
+    a.free(b)
+    assert a.refcount[b] == 0 and a.num_free == 3
+    with pytest.raises(ValueError, match="double free: block"):
+        a.free(b)
+    with pytest.raises(IndexError, match="not in this pool of 3"):
+        a.free(7)
+    with pytest.raises(IndexError, match="not in this pool"):
+        a.free(-1)
+    with pytest.raises(TypeError, match="block id is an int"):
+        a.free(1.0)
+    with pytest.raises(ValueError, match="cannot share block .* free"):
+        a.share(b)
+    with pytest.raises(ValueError, match="positive int"):
+        BlockAllocator(0, 4)
+    with pytest.raises(ValueError, match="positive int"):
+        BlockAllocator(4, 0)
+    a.check()
+
+
+def test_seal_and_lookup_errors():
+    a = BlockAllocator(4, 2)
+    b = a.allocate()
+    with pytest.raises(ValueError, match="exactly block_size=2"):
+        a.seal(b, None, [1, 2, 3])
+    with pytest.raises(ValueError, match="not sealed"):
+        a.seal(b, a.allocate(), [1, 2])
+    a.seal(b, None, [1, 2])
+    with pytest.raises(ValueError, match="already sealed"):
+        a.seal(b, None, [1, 2])
+    with pytest.raises(ValueError, match="cannot seal block .* free"):
+        a.seal(3, None, [1, 2])
+
+
+# -- block tables and gathering -------------------------------------------------------------------------
+def test_slot_mapping_by_hand():
+    # table [5, 2]: tokens 0-3 live in block 5 (slots 20-23), tokens 4-7 in block 2 (slots 8-11)
+    assert slot_mapping([5, 2], 2, 6, 4) == [22, 23, 8, 9]
+    with pytest.raises(IndexError, match="do not fit"):
+        slot_mapping([5, 2], 6, 9, 4)
+
+
+@given(
+    block_size=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    chunk=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_equals_contiguous(block_size, lengths, chunk, seed):
+    """Random K/V written through the paged cache in chunks read back bit for bit, in a
+    scrambled pool; and paged attention equals attention over the contiguous tensors."""
+    g = torch.Generator().manual_seed(seed)
+    H, D = 2, 3
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    cache = PagedCache(1, H, D, num_blocks=num_blocks, block_size=block_size, prefix_caching=False)
+    # scramble the free list so block tables are not 0, 1, 2, ...
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    cache.allocator._free = type(cache.allocator._free).fromkeys(order)
+    ref = [torch.randn(1, H, n, D, generator=g) for n in lengths]
+    sids = [cache.add()[0] for _ in lengths]
+    for sid, kv, n in zip(sids, ref, lengths):
+        for s in range(0, n, chunk):
+            piece = kv[:, :, s : s + chunk]
+            cache.step([sid], [[0] * piece.shape[2]]).update(0, piece, 2 * piece)
+    for sid, kv in zip(sids, ref):
+        k, v = cache.layer_kv(sid, 0)
+        assert torch.equal(k, kv) and torch.equal(v, 2 * kv)
+    cache.check()
+
+    # paged attention for the last T tokens of every sequence at once
+    T = min(lengths)
+    q = torch.randn(len(lengths), 2 * H, T, D, generator=g)
+    n_max = max(-(-n // block_size) for n in lengths)
+    tables = torch.tensor([cache.block_table(s) + [0] * (n_max - len(cache.block_table(s))) for s in sids])
+    got = paged_attention(q, cache.k[0], cache.v[0], tables, torch.tensor(lengths))
+    for b, kv in enumerate(ref):
+        n = lengths[b]
+        want = grouped_attention(q[b : b + 1], kv, 2 * kv, attention_mask(T, n))
+        torch.testing.assert_close(got[b : b + 1], want, rtol=1e-5, atol=1e-6)
+
+
+def test_gather_rejects_bad_shapes():
+    pool = torch.zeros(4, 2, 1, 3)
+    with pytest.raises(ValueError, match="pool must be"):
+        gather(pool[0], torch.zeros(1, 1, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="block_tables must be"):
+        gather(pool, torch.zeros(3, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="does not fit 2 blocks of 2"):
+        gather(pool, torch.zeros(1, 2, dtype=torch.long), 5)
+
+
+# -- copy-on-write ----------------------------------------------------------------------------------------
+def test_fork_shares_blocks_then_copies_only_the_partial_one():
+    cache = PagedCache(2, 1, 2, num_blocks=16, block_size=4, prefix_caching=False)
+    parent = start(cache, list(range(10)))  # blocks: 4 + 4 + 2 (partial)
+    child = cache.fork(parent)
+    assert cache.block_table(child) == cache.block_table(parent)
+    assert all(cache.allocator.refcount[b] == 2 for b in cache.block_table(parent))
+    used = cache.allocator.num_used
+    append(cache, child, [40, 41])  # writes into the shared partial block: copied first
+    append(cache, parent, [30])
+    append(cache, parent, [31, 32, 33])
+    assert cache.copies == 1
+    assert cache.block_table(child)[:2] == cache.block_table(parent)[:2]  # full blocks stay shared
+    assert cache.block_table(child)[2] != cache.block_table(parent)[2]
+    assert cache.allocator.num_used == used + 2  # one copy, one new block for the parent's growth
+    for sid in (parent, child):
+        assert_holds(cache, sid)
+    assert cache.tokens(child) == list(range(10)) + [40, 41]
+    cache.free(parent)
+    assert_holds(cache, child)
+    cache.check()
+    cache.free(child)
+    assert cache.allocator.num_free == cache.num_blocks
+
+
+def test_fork_of_a_block_aligned_sequence_copies_nothing():
+    cache = PagedCache(1, 1, 1, num_blocks=8, block_size=4, prefix_caching=False)
+    a = start(cache, list(range(8)))
+    b = cache.fork(a)
+    append(cache, a, [1])
+    append(cache, b, [2])
+    assert cache.copies == 0
+    assert_holds(cache, a) and assert_holds(cache, b)
+
+
+def test_many_forks_diverge_independently():
+    cache = PagedCache(1, 2, 2, num_blocks=64, block_size=3, prefix_caching=False)
+    root = start(cache, [7, 8, 9, 10])
+    kids = [cache.fork(root) for _ in range(5)]
+    rng = random.Random(0)
+    for _ in range(20):
+        sid = rng.choice(kids + [root])
+        append(cache, sid, [rng.randrange(50) for _ in range(rng.randint(1, 4))])
+    for sid in kids + [root]:
+        assert_holds(cache, sid)
+    cache.check()
+
+
+# -- prefix caching -----------------------------------------------------------------------------------------
+def test_prefix_hits_misses_and_partial_hits():
+    cache = PagedCache(1, 1, 1, num_blocks=32, block_size=4)
+    prompt = list(range(11))  # two full blocks + 3 tokens
+    a = start(cache, prompt)
+    assert cache.allocator.hits == 0
+    b, cached = cache.add(prompt)
+    assert cached == 8 and cache.allocator.hits == 2  # both full blocks reused
+    assert cache.block_table(b)[:2] == cache.block_table(a)[:2]
+    append(cache, b, prompt[8:])
+    assert_holds(cache, b)
+    c, cached = cache.add([0, 1, 2, 3, 99, 5, 6, 7])  # first block equal, second differs
+    assert cached == 4
+    d, cached = cache.add([1, 2, 3, 4])  # the same tokens at another offset are another block
+    assert cached == 0
+    e, cached = cache.add(list(range(4, 8)))  # block 2's tokens, without block 1 before them: a miss
+    assert cached == 0
+    cache.check()
+
+
+def test_fully_cached_prompt_recomputes_its_last_token_in_a_copy():
+    cache = PagedCache(1, 1, 1, num_blocks=16, block_size=4)
+    prompt = list(range(8))
+    a = start(cache, prompt)
+    b, cached = cache.add(prompt)
+    assert cached == 7  # the last token is run again: its logits give the next token
+    sealed = cache.block_table(b)[1]
+    append(cache, b, prompt[7:])
+    assert cache.block_table(b)[1] != sealed and cache.copies == 1  # the sealed block is never written
+    assert_holds(cache, a) and assert_holds(cache, b)
+    append(cache, b, [50, 51])
+    assert_holds(cache, b)
+
+
+def test_freed_prefix_blocks_are_revived_until_evicted():
+    cache = PagedCache(1, 1, 1, num_blocks=6, block_size=2)
+    a = start(cache, [1, 2, 3, 4, 5])  # 3 blocks, 2 of them full and sealed
+    cache.free(a)
+    assert cache.allocator.num_free == 6 and cache.allocator.num_cached_free == 2
+    b, cached = cache.add([1, 2, 3, 4, 9])
+    assert cached == 4 and cache.allocator.hits == 2  # revived from the free list
+    append(cache, b, [9])
+    assert_holds(cache, b)
+    cache.free(b)
+    # fill the pool with other tokens: uncached free blocks go first, then the LRU cached ones
+    c = cache.add()[0]
+    append(cache, c, [20, 21, 22, 23])
+    assert cache.allocator.evictions == 0  # two uncached blocks were free: nothing evicted yet
+    append(cache, c, [24, 25, 26, 27, 28, 29, 30, 31])
+    assert cache.allocator.evictions == 2
+    cache.free(c)
+    d, cached = cache.add([1, 2, 3, 4, 9])
+    assert cached == 0  # evicted: a miss, recomputed
+    cache.check()
+
+
+def test_hash_collisions_are_misses_not_wrong_kv():
+    cache = PagedCache(1, 1, 1, num_blocks=32, block_size=2, hash_fn=lambda parent, tokens: 0)  # everything collides
+    a = start(cache, [1, 2, 3, 4, 5])
+    b, cached = cache.add([7, 8, 3, 4, 5])
+    assert cached == 0  # same hash, different tokens
+    append(cache, b, [7, 8, 3, 4, 5])
+    c, cached = cache.add([1, 2, 9, 9])
+    assert cached == 2  # the indexed block really holds [1, 2]
+    append(cache, c, [9, 9])
+    for sid in (a, b, c):
+        assert_holds(cache, sid)
+
+
+def test_a_stale_parent_never_matches():
+    """A child sealed after block P must not match once P has been evicted and refilled,
+    even when the hash cannot tell (this one ignores the parent entirely)."""
+    a = BlockAllocator(3, 2, hash_fn=lambda parent, tokens: hash(tokens))
+    p = a.allocate()
+    a.seal(p, None, [1, 2])
+    c = a.allocate()
+    a.seal(c, p, [3, 4])  # [3, 4]'s K/V were computed after [1, 2]
+    a.free(p)
+    a.allocate()  # the unsealed free block goes first...
+    assert a.allocate() == p and a.evictions == 1  # ...then P is evicted and handed out again
+    a.seal(p, None, [5, 6])
+    assert a.lookup(p, [3, 4]) is None  # same tokens, same hash, but a different parent
+    a.free(p)
+    assert a.lookup(None, [5, 6]) == p  # the new contents do hit
+    a.check()
+
+
+# -- the fuzz ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size,prefix", [(1, False), (3, True), (4, True)])
+def test_fuzz_alloc_append_fork_free(block_size, prefix):
+    """≥ 1e5 random operations in all (three runs): contents stay exact, reference counts equal
+    the number of block tables holding each block, and the pool is whole at the end."""
+    rng = random.Random(block_size)
+    cache = PagedCache(1, 1, 1, num_blocks=40, block_size=block_size, prefix_caching=prefix)
+    ops = {"add": 0, "append": 0, "fork": 0, "free": 0, "out_of_blocks": 0}
+    prompts = [[rng.randrange(4) for _ in range(rng.randint(1, 12))] for _ in range(6)]  # few: hits happen
+    for i in range(35_000):
+        live = list(cache.seqs)
+        r = rng.random()
+        try:
+            if r < 0.15 or not live:
+                sid = start(cache, list(rng.choice(prompts)))
+                ops["add"] += 1
+            elif r < 0.65:
+                sid = rng.choice(live)
+                append(cache, sid, [rng.randrange(4) for _ in range(rng.choice([1, 1, 1, 2, 5]))])
+                ops["append"] += 1
+            elif r < 0.8:
+                sid = cache.fork(rng.choice(live))
+                ops["fork"] += 1
+            else:
+                sid = rng.choice(live)
+                cache.free(sid)
+                ops["free"] += 1
+                sid = None
+        except OutOfBlocks:
+            ops["out_of_blocks"] += 1
+            victim = rng.choice(list(cache.seqs))  # a scheduler would preempt one
+            if victim in cache.seqs:
+                cache.free(victim)
+            continue
+        if sid is not None and sid in cache.seqs:
+            assert_holds(cache, sid)
+        if i % 500 == 0:
+            cache.check()
+            for s in cache.seqs:
+                assert_holds(cache, s)
+    assert min(ops.values()) > 100, ops  # every kind of operation really happened
+    cache.check()
+    for s in cache.seqs:
+        assert_holds(cache, s)
+    for s in list(cache.seqs):
+        cache.free(s)
+    cache.check()
+    assert cache.allocator.num_free == cache.num_blocks and not any(cache.allocator.refcount)
+    if prefix:
+        assert cache.allocator.hits > 100 and cache.allocator.evictions > 10
+
+
+def test_a_failed_step_changes_nothing():
+    cache = PagedCache(1, 1, 1, num_blocks=2, block_size=2, prefix_caching=False)
+    a = start(cache, [1, 2, 3])
+    table = cache.block_table(a)
+    with pytest.raises(OutOfBlocks, match="needs 1 blocks but only 0"):
+        cache.step([a], [[4, 5]])
+    assert cache.block_table(a) == table and cache.seq_len(a) == 3
+    append(cache, a, [4])
+    assert_holds(cache, a)
+    cache.check()
+
+
+# -- bad inputs ---------------------------------------------------------------------------------------------------
+def test_bad_inputs_to_the_cache():
+    cache = PagedCache(2, 1, 2, num_blocks=8, block_size=2)
+    a = start(cache, [1, 2, 3])
+    with pytest.raises(IndexError, match="no sequence 9"):
+        cache.step([9], [[1]])
+    with pytest.raises(IndexError, match="no sequence 9"):
+        cache.free(9)
+    with pytest.raises(ValueError, match="appears twice"):
+        cache.step([a, a], [[1], [2]])
+    with pytest.raises(ValueError, match=r"tokens must be \(batch=1, T >= 1\)"):
+        cache.step([a], [[1], [2]])
+    with pytest.raises(ValueError, match="at least one sequence"):
+        cache.step([], [])
+    batch = cache.step([a], [[4]])
+    with pytest.raises(ValueError, match="reserved 1 tokens per sequence but update got 2"):
+        batch.update(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+    with pytest.raises(ValueError, match="kv_heads=1 but update"):
+        batch.update(0, torch.zeros(1, 3, 1, 2), torch.zeros(1, 3, 1, 2))
+    with pytest.raises(IndexError, match="out of range"):
+        batch.update(5, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    batch.update(0, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    with pytest.raises(ValueError, match="layer 0 was already written"):
+        batch.update(0, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    with pytest.raises(ValueError, match="positive int"):
+        PagedCache(2, 1, 2, num_blocks=0)
+    with pytest.raises(TypeError, match="dtype"):
+        PagedCache(2, 1, 2, num_blocks=4, dtype="fp16")
+
+
+def test_bad_inputs_to_the_engine(tiny):
+    cache = PagedCache.for_model(tiny.config, num_blocks=8, block_size=4)
+    eng = Engine(tiny, cache)
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        eng.add([], 4)
+    with pytest.raises(IndexError, match=r"\[0, 50\)"):
+        eng.add([1, 50], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        eng.add([1], 0)
+    with pytest.raises(ValueError, match="need 10 blocks: more than the pool's 8 blocks"):
+        eng.add([1] * 30, 10)
+    with pytest.raises(ValueError, match="max_seq_len=128"):
+        eng.add([1] * 100, 40)
+    with pytest.raises(ValueError, match="temperature"):
+        eng.add([1], 4, temperature=-1)
+    with pytest.raises(TypeError, match="PagedCache"):
+        Engine(tiny, DynamicCache(2))
+    with pytest.raises(ValueError, match="cache is shaped"):
+        Engine(tiny, PagedCache(3, 2, 8, num_blocks=4))
+
+
+def test_model_checks_an_explicit_mask(tiny):
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"mask must be bool \(1 or 1, 1, 3, 3\)"):
+        tiny(ids, mask=torch.ones(1, 1, 3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="either mask or key_valid"):
+        tiny(ids, mask=torch.ones(1, 1, 3, 3, dtype=torch.bool), key_valid=torch.ones(1, 3, dtype=torch.bool))
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    torch.testing.assert_close(tiny(ids, mask=causal), tiny(ids), rtol=0, atol=1e-6)
+
+
+# -- through a model -------------------------------------------------------------------------------------------
+def test_paged_batch_logits_equal_contiguous_cache(tiny):
+    """Three sequences of different lengths, decoded together through one PagedBatch,
+    give the logits each gets alone with a DynamicCache."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 50, (1, n), generator=g) for n in (3, 9, 6)]
+    cache = PagedCache.for_model(tiny.config, num_blocks=32, block_size=4)
+    sids, refs = [], []
+    for p in prompts:
+        sid, _ = cache.add(p[0].tolist())
+        b = cache.step([sid], p)
+        got = tiny(p, b, positions=b.positions(), mask=b.mask())
+        ref_cache = DynamicCache(2)
+        torch.testing.assert_close(got, tiny(p, ref_cache), rtol=1e-5, atol=1e-5)
+        sids.append(sid)
+        refs.append(ref_cache)
+    for step in range(3):
+        new = torch.randint(0, 50, (3, 1), generator=g)
+        b = cache.step(sids, new)
+        got = tiny(new, b, positions=b.positions(), mask=b.mask())[:, -1]  # (3, vocab)
+        for i, rc in enumerate(refs):
+            torch.testing.assert_close(got[i], tiny(new[i : i + 1], rc)[0, -1], rtol=1e-5, atol=1e-5)
+    # a ragged multi-token step: two new tokens each after different lengths
+    new = torch.randint(0, 50, (3, 2), generator=g)
+    b = cache.step(sids, new)
+    got = tiny(new, b, positions=b.positions(), mask=b.mask())
+    for i, rc in enumerate(refs):
+        torch.testing.assert_close(got[i], tiny(new[i : i + 1], rc)[0], rtol=1e-5, atol=1e-5)
+    cache.check()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_blocks", [None, "tight"])
+def test_engine_tokens_equal_generate(tiny, block_size, num_blocks):
+    """Greedy tokens from the batched paged engine equal kvlib.generate run on each prompt
+    alone, with a roomy pool and with one so tight that sequences are preempted."""
+    rng = random.Random(block_size)
+    prompts = [[rng.randrange(50) for _ in range(n)] for n in (5, 17, 33, 8, 2)]
+    ref = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist() for p in prompts]
+    blocks = 400 // block_size if num_blocks is None else -(-45 // block_size) + 1  # the longest needs 45 slots
+    cache = PagedCache.for_model(tiny.config, num_blocks=blocks, block_size=block_size)
+    eng = Engine(tiny, cache)
+    for p in prompts:
+        eng.add(p, 12)
+    out = eng.run()
+    assert [out[i][0] for i in range(len(prompts))] == ref
+    assert eng.stats["peak_batch"] >= 2  # sequences of different lengths really shared a step
+    if num_blocks == "tight":
+        assert eng.stats["preemptions"] > 0
+    assert cache.allocator.num_used == 0 and not cache.seqs
+    cache.check()
+
+
+def test_engine_parallel_sampling_shares_the_prompt(tiny):
+    prompt = list(range(1, 31))  # 30 tokens: 7 full blocks of 4 and a partial one
+    cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
+    eng = Engine(tiny, cache, generator=torch.Generator().manual_seed(0))
+    eng.add(prompt, 6, n=4, temperature=1.0)
+    eng._admit()  # prefill once and fork
+    assert len(cache.seqs) == 4 and cache.allocator.num_used == 8  # one copy of the prompt for four samples
+    eng.run()
+    outs = eng.requests[0].outputs
+    assert len(outs) == 4 and all(len(o) == 6 for o in outs)
+    assert len({tuple(o) for o in outs}) > 1  # sampled, so the samples differ
+    assert cache.copies == 3  # three forks copied the shared partial block; the last writer kept it
+
+
+def test_engine_greedy_forks_stay_identical(tiny):
+    """Four greedy samples share a prompt copy-on-write; if one fork's writes leaked into
+    another's blocks, their tokens would drift apart from plain generation."""
+    prompt = list(range(1, 31))
+    ref = kvlib.generate(tiny, torch.tensor([prompt]), max_new_tokens=10)[0, 30:].tolist()
+    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=64, block_size=4))
+    eng.add(prompt, 10, n=4)
+    assert eng.run()[0] == [ref] * 4
+
+
+def test_engine_reuses_a_shared_system_prompt(tiny):
+    system = list(range(1, 33))  # 32 tokens = 8 full blocks of 4
+    cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
+    eng = Engine(tiny, cache)
+    for q in ([40, 41], [42, 43, 44], [45]):
+        eng.add(system + q, 4)
+    out = eng.run()
+    assert eng.stats["cached_tokens"] == 2 * 32  # the second and third requests skip the system prompt
+    for i, q in enumerate(([40, 41], [42, 43, 44], [45])):
+        ids = torch.tensor([system + q])
+        assert out[i][0] == kvlib.generate(tiny, ids, max_new_tokens=4)[0, ids.shape[1]:].tolist()
+
+
+def test_engine_stop_token(tiny):
+    prompt = [3, 1, 4, 1, 5]
+    ref = kvlib.generate(tiny, torch.tensor([prompt]), max_new_tokens=10)[0, 5:].tolist()
+    stop = ref[3]
+    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=16, block_size=4), stop=[stop])
+    eng.add(prompt, 10)
+    got = eng.run()[0][0]
+    assert got == ref[: ref.index(stop) + 1]
+
+
+def test_engine_on_smollm2_matches_generate(smollm2):
+    """The real model: three prompts of different lengths decoded in one batch over 16-token
+    blocks give exactly the tokens kvlib.generate gives each prompt alone."""
+    model, tok = smollm2
+    texts = ["The capital of France is", "Water boils at a temperature of one hundred", "1, 2, 3,"]
+    prompts = [tok.encode(t) for t in texts]
+    ref = [kvlib.generate(model, torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist() for p in prompts]
+    cache = PagedCache.for_model(model.config, num_blocks=16, block_size=16)
+    eng = Engine(model, cache)
+    for p in prompts:
+        eng.add(p, 8)
+    out = eng.run()
+    assert [out[i][0] for i in range(3)] == ref
+    assert eng.stats["peak_batch"] == 3
