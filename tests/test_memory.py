@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -92,3 +93,87 @@ def test_gqa_papers_kv_head_counts_shrink_the_cache_by_the_group():
     l70 = PRESETS["llama-3-70b"]
     mha = l70.replace(n_kv_head=l70.n_head)
     assert memory.kv_bytes_per_token(mha) == 8 * memory.kv_bytes_per_token(l70)
+
+
+# -- the fragmentation simulator -------------------------------------------------------------------
+def test_simulate_by_hand():
+    """Two requests of 2 + 2 tokens hold 8-slot reservations in a 16-slot pool while a third
+    waits. Step 0: 2 tokens each held, 2 more to come, 4 never used; step 1: 3, 1, 4.
+    Averaged over those two saturated steps: token states 5/16, reserved 3/16, internal 8/16."""
+    trace = [memory.TraceRequest(2, 2)] * 3
+    r = memory.simulate(trace, "max", memory_slots=16, max_len=8)
+    assert r.saturated_steps == 2
+    assert r.fractions == {"token states": 5 / 16, "reserved": 3 / 16, "internal fragmentation": 8 / 16,
+                           "external fragmentation": 0.0, "free": 0.0}
+    assert r.waste == pytest.approx(11 / 16)
+    assert r.mean_batch == 2 and r.steps == 4
+
+
+def test_external_fragmentation_by_hand():
+    """Oracle reservations of 3, 3 and 2 slots fill 8 of 10 slots. The next request needs 4
+    contiguous slots, so the 2 free slots at the end are unusable: external fragmentation.
+    After one step the 2-slot request finishes, its gap joins them, and the waiter fits."""
+    trace = [memory.TraceRequest(1, 2), memory.TraceRequest(1, 2), memory.TraceRequest(1, 1), memory.TraceRequest(2, 2)]
+    r = memory.simulate(trace, "oracle", memory_slots=10, max_len=8)
+    # step 0: the first three are admitted (slots 0-2, 3-5, 6-7); gap 8-9 (2 slots) < 4 needed
+    m = r.memory_map
+    assert r.snapshot_step == 0
+    assert (m[8:] == memory.EXTERNAL).all() and (m[:8] != memory.EXTERNAL).all()
+    assert r.saturated_steps == 1 and r.fractions["external fragmentation"] == pytest.approx(2 / 10)
+
+
+def test_paging_with_one_slot_blocks_wastes_nothing():
+    trace = memory.request_trace(60, seed=1, max_len=512)
+    r = memory.simulate(trace, "paged", memory_slots=4096, max_len=512, block_size=1)
+    assert r.fractions["reserved"] == r.fractions["internal fragmentation"] == r.fractions["external fragmentation"] == 0
+    assert r.waste == 0
+
+
+@pytest.mark.parametrize("policy", memory.POLICIES)
+def test_simulate_accounts_for_every_slot(policy):
+    trace = memory.request_trace(80, seed=2, max_len=512)
+    r = memory.simulate(trace, policy, memory_slots=4096, max_len=512, block_size=16)
+    assert sum(r.fractions.values()) == pytest.approx(1.0)
+    assert all(v >= 0 for v in r.fractions.values())
+    assert r.memory_map.shape == (4096,) and set(np.unique(r.memory_map)) <= set(range(5))
+    if policy == "oracle":
+        assert r.fractions["internal fragmentation"] == 0  # it reserves exactly what each request will use
+    if policy in ("max", "paged"):
+        assert r.fractions["external fragmentation"] == 0  # equal-size reservations / blocks always fit
+    if policy == "paged":
+        # the last block of each request is the only slack: under one block per running request
+        slack = r.fractions["reserved"] + r.fractions["internal fragmentation"]
+        assert slack * 4096 < r.peak_batch * 16
+
+
+def test_paging_beats_max_reservation_on_a_chat_trace():
+    trace = memory.request_trace(150, seed=0)
+    contiguous = memory.simulate(trace, "max", memory_slots=16384)
+    paged = memory.simulate(trace, "paged", memory_slots=16384, block_size=16)
+    assert contiguous.waste > 0.6 and paged.waste < 0.04
+    assert paged.mean_batch > 2 * contiguous.mean_batch
+
+
+def test_request_trace():
+    a = memory.request_trace(2000, seed=3, max_len=1024)
+    assert a == memory.request_trace(2000, seed=3, max_len=1024)
+    assert all(r.prompt >= 1 and r.output >= 1 and r.total <= 1024 for r in a)
+    assert np.median([r.prompt for r in a]) == pytest.approx(160, rel=0.1)  # the stated median
+
+
+def test_simulate_rejects_bad_input():
+    trace = [memory.TraceRequest(10, 10)]
+    with pytest.raises(ValueError, match="policy must be one of"):
+        memory.simulate(trace, "best", memory_slots=64)
+    with pytest.raises(ValueError, match="exceed max_len=16"):
+        memory.simulate(trace, "max", memory_slots=64, max_len=16)
+    with pytest.raises(ValueError, match="needs 2048 slots but the pool has 64"):
+        memory.simulate(trace, "max", memory_slots=64)
+    with pytest.raises(ValueError, match="empty"):
+        memory.simulate([], "max", memory_slots=64)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        memory.simulate(trace, "paged", memory_slots=64, block_size=0)
+    with pytest.raises(ValueError, match="contiguous policy"):
+        memory.reservation("paged", trace[0], 64)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        memory.request_trace(0)
