@@ -295,7 +295,8 @@ class PagedCache:
     Lifecycle: ``sid, cached = cache.add(prompt)`` starts a sequence (reusing cached
     prompt blocks); ``b = cache.step([sid, ...], tokens)`` then
     ``model(tokens, b, positions=b.positions(), mask=b.mask())`` appends;
-    ``cache.fork(sid)`` shares a sequence copy-on-write; ``cache.free(sid)`` ends it.
+    ``cache.fork(sid)`` shares a sequence copy-on-write; ``cache.truncate(sid, n)`` rolls
+    it back; ``cache.free(sid)`` ends it.
     """
 
     def __init__(
@@ -413,6 +414,21 @@ class PagedCache:
         for block in reversed(seq.blocks):
             self.allocator.free(block)
         del self.seqs[sid]
+
+    def truncate(self, sid: int, n: int) -> None:
+        """Keep the first ``n`` tokens of a sequence (roll back a draft, or re-time a step).
+
+        Blocks past the new end are freed; a kept block that is shared or sealed is
+        copied before it is written again, so no other sequence sees the rollback.
+        """
+        seq = self._seq(sid)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(seq.tokens):
+            raise IndexError(f"cannot truncate sequence {sid} of {len(seq.tokens)} tokens to {n!r}")
+        keep = -(-n // self.block_size)
+        for block in reversed(seq.blocks[keep:]):
+            self.allocator.free(block)
+        del seq.blocks[keep:]
+        del seq.tokens[n:]
 
     # -- making room --------------------------------------------------------------------------------
     def _writable_tail(self, seq: _Seq) -> bool:

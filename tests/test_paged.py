@@ -212,7 +212,26 @@ def test_fork_of_a_block_aligned_sequence_copies_nothing():
     append(cache, a, [1])
     append(cache, b, [2])
     assert cache.copies == 0
-    assert_holds(cache, a) and assert_holds(cache, b)
+    assert_holds(cache, a)
+    assert_holds(cache, b)
+
+
+def test_truncate_frees_blocks_and_never_touches_a_sharer():
+    cache = PagedCache(1, 1, 1, num_blocks=16, block_size=4)
+    a = start(cache, list(range(10)))
+    b = cache.fork(a)
+    used = cache.allocator.num_used
+    cache.truncate(b, 5)  # b keeps blocks 0-1; its table drops block 2
+    assert cache.block_table(b) == cache.block_table(a)[:2] and cache.allocator.num_used == used
+    append(cache, b, [20, 21, 22])  # writes into block 1, sealed and shared with a: copied first
+    assert cache.block_table(b)[1] != cache.block_table(a)[1]
+    assert_holds(cache, a)
+    assert_holds(cache, b)
+    cache.truncate(a, 0)
+    assert cache.block_table(a) == [] and cache.seq_len(a) == 0
+    with pytest.raises(IndexError, match="cannot truncate sequence"):
+        cache.truncate(b, 99)
+    cache.check()
 
 
 def test_many_forks_diverge_independently():
@@ -257,7 +276,8 @@ def test_fully_cached_prompt_recomputes_its_last_token_in_a_copy():
     sealed = cache.block_table(b)[1]
     append(cache, b, prompt[7:])
     assert cache.block_table(b)[1] != sealed and cache.copies == 1  # the sealed block is never written
-    assert_holds(cache, a) and assert_holds(cache, b)
+    assert_holds(cache, a)
+    assert_holds(cache, b)
     append(cache, b, [50, 51])
     assert_holds(cache, b)
 
@@ -322,7 +342,7 @@ def test_fuzz_alloc_append_fork_free(block_size, prefix):
     the number of block tables holding each block, and the pool is whole at the end."""
     rng = random.Random(block_size)
     cache = PagedCache(1, 1, 1, num_blocks=40, block_size=block_size, prefix_caching=prefix)
-    ops = {"add": 0, "append": 0, "fork": 0, "free": 0, "out_of_blocks": 0}
+    ops = {"add": 0, "append": 0, "fork": 0, "truncate": 0, "free": 0, "out_of_blocks": 0}
     prompts = [[rng.randrange(4) for _ in range(rng.randint(1, 12))] for _ in range(6)]  # few: hits happen
     for i in range(35_000):
         live = list(cache.seqs)
@@ -335,9 +355,13 @@ def test_fuzz_alloc_append_fork_free(block_size, prefix):
                 sid = rng.choice(live)
                 append(cache, sid, [rng.randrange(4) for _ in range(rng.choice([1, 1, 1, 2, 5]))])
                 ops["append"] += 1
-            elif r < 0.8:
+            elif r < 0.75:
                 sid = cache.fork(rng.choice(live))
                 ops["fork"] += 1
+            elif r < 0.8:
+                sid = rng.choice(live)
+                cache.truncate(sid, rng.randint(0, cache.seq_len(sid)))
+                ops["truncate"] += 1
             else:
                 sid = rng.choice(live)
                 cache.free(sid)
