@@ -160,7 +160,8 @@ class _Live:
 @dataclass
 class SimResult:
     """What `simulate` measured. Fractions are of the whole pool, averaged over the
-    *saturated* steps (requests were waiting, so unused memory was not for lack of work)."""
+    *saturated* steps (requests were waiting, so unused memory was not for lack of work),
+    or over every step if the pool never filled (``saturated_steps == 0``)."""
 
     policy: str
     block_size: int
@@ -211,6 +212,7 @@ def simulate(
     max_len: int = 2048,
     block_size: int = 16,
     snapshot: float = 0.5,
+    watermark: float = 0.01,
 ) -> SimResult:
     """Serve ``trace`` from a pool of ``memory_slots`` token slots, one decode step at a time.
 
@@ -218,7 +220,9 @@ def simulate(
     it holds its prompt; each step adds one token until ``prompt + output``, then it
     leaves. Contiguous policies (``max``, ``pow2``, ``oracle``) reserve one run of slots
     at admission (first fit). ``paged`` takes ``block_size``-slot blocks as tokens
-    arrive and, when none is free, preempts the newest request (recomputed later).
+    arrive and, when none is free, preempts the newest request (recomputed later); it
+    admits a request only if ``watermark`` of the blocks stay free for the others to grow
+    (vLLM's default is 1%).
 
     ``snapshot`` picks the step whose `SimResult.memory_map` is kept, as a fraction of
     the saturated period.
@@ -233,8 +237,11 @@ def simulate(
     too_long = [r for r in trace if r.total > max_len]
     if too_long:
         raise ValueError(f"{len(too_long)} requests exceed max_len={max_len}, e.g. {too_long[0]}")
+    if not 0 <= watermark < 1:
+        raise ValueError(f"watermark must lie in [0, 1), got {watermark!r}")
     paged = policy == "paged"
     n_blocks = memory_slots // block_size
+    keep_free = int(watermark * n_blocks)  # paged admission leaves this many blocks for growth
     biggest = max(-(-r.total // block_size) * block_size if paged else reservation(policy, r, max_len) for r in trace)
     if biggest > (n_blocks * block_size if paged else memory_slots):
         raise ValueError(f"a request needs {biggest} slots but the pool has {memory_slots}")
@@ -243,7 +250,9 @@ def simulate(
     live: list[_Live] = []
     free_blocks: deque[int] = deque(range(n_blocks))
     sums = dict.fromkeys(CATEGORIES, 0.0)
+    idle = dict.fromkeys(CATEGORIES, 0.0)  # the same over steps with nobody waiting (used only if never saturated)
     batches: list[int] = []
+    idle_batches: list[int] = []
     preemptions = step = 0
     snaps: list[tuple[int, np.ndarray]] = []
 
@@ -259,7 +268,7 @@ def simulate(
         while queue:
             req, hold = queue[0]
             if paged:
-                if blocks_for(hold) > len(free_blocks):
+                if blocks_for(hold) > len(free_blocks) - keep_free:
                     break
                 blocks = [free_blocks.popleft() for _ in range(blocks_for(hold))]
                 live.append(_Live(req, hold, blocks=blocks))
@@ -288,6 +297,10 @@ def simulate(
             batches.append(len(live))
             if len(batches) % 25 == 1:  # keep a few candidate maps, cheaply
                 snaps.append((step, _map(live, paged, block_size, memory_slots, head_need())))
+        else:
+            for k in CATEGORIES:
+                idle[k] += counts[k] / memory_slots
+            idle_batches.append(len(live))
 
         # one decode step: every running request gains a token
         i = 0
@@ -313,14 +326,16 @@ def simulate(
         step += 1
 
     n = len(batches)
-    fractions = {k: (v / n if n else 0.0) for k, v in sums.items()}
+    if n == 0:  # the pool was never full: report the averages over every step instead
+        sums, batches = idle, idle_batches
+    fractions = {k: v / len(batches) for k, v in sums.items()}
     if snaps:
         snap_step, memory_map = snaps[min(int(snapshot * len(snaps)), len(snaps) - 1)]
     else:
         snap_step, memory_map = 0, np.full(memory_slots, FREE, dtype=np.int8)
     return SimResult(
         policy, block_size, memory_slots, step, n, fractions,
-        float(np.mean(batches)) if batches else 0.0, max(batches, default=0), preemptions, memory_map, snap_step,
+        float(np.mean(batches)), max(batches), preemptions, memory_map, snap_step,
     )
 
 

@@ -122,6 +122,14 @@ def test_external_fragmentation_by_hand():
     assert r.saturated_steps == 1 and r.fractions["external fragmentation"] == pytest.approx(2 / 10)
 
 
+def test_a_pool_that_never_fills_is_averaged_over_every_step():
+    trace = [memory.TraceRequest(2, 2)] * 2  # both fit at once: nobody ever waits
+    r = memory.simulate(trace, "max", memory_slots=16, max_len=8)
+    assert r.saturated_steps == 0 and r.steps == 2
+    assert r.fractions["token states"] == pytest.approx((4 + 6) / 2 / 16) and r.fractions["free"] == 0
+    assert r.mean_batch == 2
+
+
 def test_paging_with_one_slot_blocks_wastes_nothing():
     trace = memory.request_trace(60, seed=1, max_len=512)
     r = memory.simulate(trace, "paged", memory_slots=4096, max_len=512, block_size=1)
@@ -152,6 +160,15 @@ def test_paging_beats_max_reservation_on_a_chat_trace():
     paged = memory.simulate(trace, "paged", memory_slots=16384, block_size=16)
     assert contiguous.waste > 0.6 and paged.waste < 0.04
     assert paged.mean_batch > 2 * contiguous.mean_batch
+
+
+def test_a_watermark_trades_batch_size_for_fewer_preemptions():
+    trace = memory.request_trace(150, seed=0)
+    greedy = memory.simulate(trace, "paged", memory_slots=16384, watermark=0.0)
+    careful = memory.simulate(trace, "paged", memory_slots=16384, watermark=0.2)
+    assert greedy.preemptions > careful.preemptions and greedy.mean_batch > careful.mean_batch
+    with pytest.raises(ValueError, match="watermark must lie in"):
+        memory.simulate(trace, "paged", memory_slots=16384, watermark=1.0)
 
 
 def test_request_trace():
