@@ -8,7 +8,7 @@ from .cache import Cache, DynamicCache, StaticCache
 from .config import PRESETS, ModelConfig
 from .generate import decode_step, generate, generate_naive, prefill, sample, stream
 from .hf import from_hf
-from . import check, cost, data, evaluate, gqa, memory, padding, quant
+from . import check, cost, data, evaluate, gqa, memory, padding, paged, quant
 from .model import Transformer
 from .pretrained import Tokenizer, load_smollm2
 

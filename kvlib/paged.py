@@ -744,6 +744,7 @@ class Engine:
         sid, cached = self.cache.add(tokens)
         todo = torch.tensor([tokens[cached:]], device=self.model.device)  # (1, T): what the cache lacks
         batch = self.cache.step([sid], todo)
+        self._note_peak()
         logits = self.model(todo, batch, positions=batch.positions(), mask=batch.mask(), last_only=True)[0, -1]
         self.stats["prefill_tokens"] += todo.shape[1]
         self.stats["cached_tokens"] += cached
@@ -754,6 +755,9 @@ class Engine:
                 self.cache.free(s)
             else:
                 self.running.append(_Running(req, i, s, token))
+
+    def _note_peak(self) -> None:
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.cache.allocator.num_used)
 
     def _preempt(self) -> None:
         victim = self.running.pop()  # the newest sequence
@@ -771,6 +775,7 @@ class Engine:
         sids = [r.sid for r in self.running]
         tokens = torch.tensor([[r.pending] for r in self.running], device=self.model.device)  # (B, 1)
         batch = self.cache.step(sids, tokens)
+        self._note_peak()
         logits = self.model(tokens, batch, positions=batch.positions(), mask=batch.mask(), last_only=True)[:, -1]
         self.stats["decode_tokens"] += len(sids)
         self.stats["peak_batch"] = max(self.stats["peak_batch"], len(sids))
@@ -786,7 +791,7 @@ class Engine:
     def step(self) -> None:
         """Admit what fits, then one decode step for every running sequence."""
         self._admit()
-        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.cache.allocator.num_used)
+        self._note_peak()  # after admission: the forks' shared blocks
         self._decode()
         self.stats["steps"] += 1
 
