@@ -14,8 +14,8 @@ the way an operating system pages RAM:
 * `PagedCache` holds one key pool and one value pool per layer, each
   ``(num_blocks, block_size, kv_heads, head_dim)``, and the block tables.
   `PagedCache.step` returns a `PagedBatch`: the `Cache` a model forward runs
-  against. It writes new keys and values into their slots and `gather`\\ s each
-  sequence's keys back through its block table.
+  against. It writes new keys and values into their slots and reads each
+  sequence's keys back through its block table (`gather`).
 * `Engine` runs several sequences of different lengths through a model in one
   batch over a `PagedCache`.
 
@@ -71,7 +71,7 @@ class BlockAllocator:
 
     ``allocate`` hands out a block with reference count 1; ``share`` adds an owner;
     ``free`` drops one, and a block whose count reaches 0 returns to the free list.
-    A full block can be ``seal``\\ ed: it becomes immutable and findable by
+    A full block can be *sealed* (``seal``): it becomes immutable and findable by
     ``lookup(parent, tokens)``. A sealed block that is freed keeps its contents
     until the free list hands it out again (that is its *eviction*), so a later
     request with the same prefix can revive it.
@@ -98,7 +98,7 @@ class BlockAllocator:
         self.generation = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head is reused first
         self._sealed: dict[int, _Sealed] = {}  # block -> what it holds
-        self._index: dict[int, int] = {}  # hash -> block (the first block sealed with that hash)
+        self._index: dict[int, list[int]] = {}  # hash -> sealed blocks with that hash (usually one)
         self.hits = self.misses = self.evictions = 0
 
     # -- counting ---------------------------------------------------------------------------------
@@ -177,8 +177,8 @@ class BlockAllocator:
     def seal(self, block: int, parent: int | None, tokens: Iterable[int]) -> int:
         """Mark the full ``block`` (holding ``tokens`` right after ``parent``) immutable and index it.
 
-        Returns its hash. If another block already holds the same hash (the same
-        prefix computed twice, or a hash collision) the first keeps the index entry.
+        Returns its hash. Blocks that share a hash (the same prefix computed twice,
+        or a collision) are all indexed; ``lookup`` tells them apart.
         """
         self._check_used(block, "seal")
         if block in self._sealed:
@@ -187,7 +187,7 @@ class BlockAllocator:
         parent_key, parent_hash = self._parent_key(parent)
         h = self.hash_fn(parent_hash, tokens)
         self._sealed[block] = _Sealed(h, parent_key, tokens)
-        self._index.setdefault(h, block)
+        self._index.setdefault(h, []).append(block)
         return h
 
     def lookup(self, parent: int | None, tokens: Iterable[int]) -> int | None:
@@ -199,11 +199,15 @@ class BlockAllocator:
         """
         tokens = self._check_tokens(tokens)
         parent_key, parent_hash = self._parent_key(parent)
-        block = self._index.get(self.hash_fn(parent_hash, tokens))
-        if block is None or self._sealed[block].tokens != tokens or self._sealed[block].parent != parent_key:
+        same = [
+            b for b in self._index.get(self.hash_fn(parent_hash, tokens), [])
+            if self._sealed[b].tokens == tokens and self._sealed[b].parent == parent_key
+        ]
+        if not same:
             self.misses += 1
             return None
         self.hits += 1
+        block = max(same, key=lambda b: self.refcount[b] > 0)  # prefer a copy in use to reviving a free one
         if self.refcount[block] == 0:
             del self._free[block]  # revive it: its contents were never overwritten
         self.refcount[block] += 1
@@ -211,9 +215,10 @@ class BlockAllocator:
 
     def _unseal(self, block: int) -> None:
         sealed = self._sealed.pop(block)
-        if self._index.get(sealed.hash) == block:
+        self._index[sealed.hash].remove(block)
+        if not self._index[sealed.hash]:
             del self._index[sealed.hash]
-            self.evictions += 1
+        self.evictions += 1
 
     # -- invariants -------------------------------------------------------------------------------
     def check(self) -> None:
@@ -226,9 +231,13 @@ class BlockAllocator:
                 raise AssertionError(f"block {b} has negative reference count {self.refcount[b]}")
             if (self.refcount[b] == 0) != (b in free):
                 raise AssertionError(f"block {b}: reference count {self.refcount[b]} but on free list: {b in free}")
-        for h, b in self._index.items():
-            if b not in self._sealed or self._sealed[b].hash != h:
-                raise AssertionError(f"index entry {h} points at block {b}, which does not hold it")
+        indexed = [b for blocks in self._index.values() for b in blocks]
+        if sorted(indexed) != sorted(self._sealed):
+            raise AssertionError("the index and the sealed blocks disagree")
+        for h, blocks in self._index.items():
+            for b in blocks:
+                if self._sealed[b].hash != h:
+                    raise AssertionError(f"index entry {h} points at block {b}, which does not hold it")
 
 
 # -- reading a paged pool ---------------------------------------------------------------------------
@@ -326,6 +335,7 @@ class PagedCache:
         self.seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self.copies = 0  # copy-on-write block copies so far
+        self.version = 0  # bumped by every change to the tables; a PagedBatch made before it is stale
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int = 16, **kwargs) -> "PagedCache":
@@ -396,16 +406,19 @@ class PagedCache:
         sid = self._next_id
         self._next_id += 1
         self.seqs[sid] = seq
+        self.version += 1
         return sid, len(seq.tokens)
 
     def fork(self, sid: int) -> int:
         """A new sequence sharing every block of ``sid``; the first write to a shared block copies it."""
         parent = self._seq(sid)
-        for block in parent.blocks:
+        held = parent.blocks[: -(-len(parent.tokens) // self.block_size)]  # not blocks reserved past the end
+        for block in held:
             self.allocator.share(block)
         child = self._next_id
         self._next_id += 1
-        self.seqs[child] = _Seq(list(parent.blocks), list(parent.tokens))
+        self.seqs[child] = _Seq(list(held), list(parent.tokens))
+        self.version += 1
         return child
 
     def free(self, sid: int) -> None:
@@ -414,6 +427,7 @@ class PagedCache:
         for block in reversed(seq.blocks):
             self.allocator.free(block)
         del self.seqs[sid]
+        self.version += 1
 
     def truncate(self, sid: int, n: int) -> None:
         """Keep the first ``n`` tokens of a sequence (roll back a draft, or re-time a step).
@@ -429,24 +443,32 @@ class PagedCache:
             self.allocator.free(block)
         del seq.blocks[keep:]
         del seq.tokens[n:]
+        self.version += 1
 
     # -- making room --------------------------------------------------------------------------------
     def _writable_tail(self, seq: _Seq) -> bool:
         """Can the next token be written into the sequence's last block in place?"""
-        n = len(seq.tokens)
-        if n % self.block_size == 0 or n // self.block_size >= len(seq.blocks):
-            return True  # the next token starts a new block
-        block = seq.blocks[n // self.block_size]
+        i = len(seq.tokens) // self.block_size
+        if i >= len(seq.blocks):
+            return True  # the next token starts a block not allocated yet
+        block = seq.blocks[i]  # partly filled, or reserved by a step that never finished
         return self.allocator.refcount[block] == 1 and not self.allocator.is_sealed(block)
 
     def blocks_needed(self, sids: Sequence[int], n_new: int) -> int:
         """Blocks ``step(sids, ...)`` with ``n_new`` tokens each would take from the free list."""
-        need = 0
+        need, tails = 0, {}
         for sid in sids:
             seq = self._seq(sid)
-            have = len(seq.blocks)
             want = -(-(len(seq.tokens) + n_new) // self.block_size)  # ceil
-            need += max(want - have, 0) + (0 if self._writable_tail(seq) else 1)
+            need += max(want - len(seq.blocks), 0)
+            i = len(seq.tokens) // self.block_size
+            if i < len(seq.blocks):
+                tails[seq.blocks[i]] = tails.get(seq.blocks[i], 0) + 1  # owners writing this block now
+        for block, k in tails.items():
+            if self.allocator.is_sealed(block) or self.allocator.refcount[block] > k:
+                need += k  # every writer copies it
+            else:
+                need += k - 1  # all its owners write: the last one finds itself alone and writes in place
         return need
 
     def _copy_on_write(self, seq: _Seq) -> None:
@@ -479,7 +501,9 @@ class PagedCache:
             raise ValueError(f"a sequence appears twice in one step: {sids}")
         seqs = [self._seq(s) for s in sids]
         if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(tokens, dtype=torch.long)
+            tokens = torch.tensor(tokens)
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"tokens must be int ids, got {tokens.dtype}")
         if tokens.dim() != 2 or tokens.shape[0] != len(sids) or tokens.shape[1] == 0:
             raise ValueError(f"tokens must be (batch={len(sids)}, T >= 1), got shape {tuple(tokens.shape)}")
         T = tokens.shape[1]
@@ -489,11 +513,13 @@ class PagedCache:
             raise OutOfBlocks(f"this step needs {need} blocks but only {self.allocator.num_free} are free")
         for seq in seqs:
             self._reserve(seq, T)
+        self.version += 1
         return PagedBatch(self, sids, tokens.tolist(), lengths)
 
     def _commit(self, sids: list[int], tokens: list[list[int]]) -> None:
         """After the last layer has written: extend the token lists and seal newly full blocks."""
         bs = self.block_size
+        self.version += 1
         for sid, new in zip(sids, tokens):
             seq = self.seqs[sid]
             before = len(seq.tokens)
@@ -568,6 +594,7 @@ class PagedBatch(Cache):
         self.block_tables = torch.tensor([t + [pad] * (n_blocks - len(t)) for t in tables], device=device)  # (B, n)
         self._spec = (B, cache.n_kv_head, cache.head_dim, cache.k[0].dtype, device)
         self._done = [False] * cache.n_layer
+        self._version = cache.version  # any later change to the tables makes this batch stale
 
     def positions(self) -> torch.Tensor:
         """``(B, T)`` RoPE positions of the new tokens: each sequence continues from its own length."""
@@ -585,13 +612,18 @@ class PagedBatch(Cache):
             raise ValueError(f"this step reserved {self.T} tokens per sequence but update got {k.shape[2]}")
         if self._done[layer]:
             raise ValueError(f"layer {layer} was already written in this step")
+        if self.cache.version != self._version:
+            raise ValueError(
+                "this PagedBatch is stale: the cache's block tables changed after it was made "
+                "(a step, fork, truncate or free); call PagedCache.step again"
+            )
         B, H, T, D = k.shape
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool.view(-1, H, D)[self.slots] = k.transpose(1, 2).reshape(B * T, H, D)  # (slots, H, D): one row per slot
         v_pool.view(-1, H, D)[self.slots] = v.transpose(1, 2).reshape(B * T, H, D)
         self.bytes_written += k.nbytes + v.nbytes
         self._done[layer] = True
-        if layer == self.n_layer - 1:  # every layer holds this step's tokens now
+        if all(self._done):  # every layer holds this step's tokens now
             self.cache._commit(self.sids, self.new_tokens)
         return gather(k_pool, self.block_tables, self.S), gather(v_pool, self.block_tables, self.S)
 
@@ -697,11 +729,14 @@ class Engine:
             raise IndexError(f"prompt token ids must lie in [0, {vocab}), got min {min(prompt)} max {max(prompt)}")
         _positive_int("max_new_tokens", max_new_tokens)
         _positive_int("n", n)
+        if n > self.max_batch:
+            raise ValueError(f"n={n} samples cannot run at once with max_batch={self.max_batch}")
         _check_sampling(temperature, top_k, top_p)
         total = len(prompt) + max_new_tokens
         if total > self.model.config.max_seq_len:
             raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceeds max_seq_len={self.model.config.max_seq_len}")
-        need = max(-(-total // self.cache.block_size), self._blocks_to_admit(len(prompt), n))
+        stored = total - 1  # the last token is emitted, never fed back
+        need = max(-(-stored // self.cache.block_size), self._blocks_to_admit(len(prompt), n))
         if need > self.cache.num_blocks:
             raise ValueError(
                 f"{len(prompt)} prompt + {max_new_tokens} new tokens, {n} samples, need {need} blocks: "
@@ -737,15 +772,23 @@ class Engine:
                     raise OutOfBlocks(f"a request of {len(tokens)} tokens needs {need} blocks; the pool has {self.cache.num_blocks}")
                 return  # first come, first served: wait for room
             self.waiting.pop(0)
-            self._prefill(req, samples, tokens)
+            try:
+                self._prefill(req, samples, tokens)
+            except BaseException:
+                self.waiting.insert(0, (req, which, tokens))  # nothing was emitted: it can be retried
+                raise
 
     @torch.inference_mode()
     def _prefill(self, req: Request, samples: list[int], tokens: list[int]) -> None:
         sid, cached = self.cache.add(tokens)
-        todo = torch.tensor([tokens[cached:]], device=self.model.device)  # (1, T): what the cache lacks
-        batch = self.cache.step([sid], todo)
-        self._note_peak()
-        logits = self.model(todo, batch, positions=batch.positions(), mask=batch.mask(), last_only=True)[0, -1]
+        try:
+            todo = torch.tensor([tokens[cached:]], device=self.model.device)  # (1, T): what the cache lacks
+            batch = self.cache.step([sid], todo)
+            self._note_peak()
+            logits = self.model(todo, batch, positions=batch.positions(), mask=batch.mask(), last_only=True)[0, -1]
+        except BaseException:
+            self.cache.free(sid)  # leave no half-made sequence behind
+            raise
         self.stats["prefill_tokens"] += todo.shape[1]
         self.stats["cached_tokens"] += cached
         sids = [sid] + [self.cache.fork(sid) for _ in samples[1:]]  # parallel samples share the prompt's blocks

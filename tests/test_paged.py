@@ -42,6 +42,15 @@ def append(cache: PagedCache, sid: int, new: list[int]) -> None:
         batch.update(layer, k.contiguous(), -k.contiguous())
 
 
+def append_many(cache: PagedCache, sids: list[int], new: list[int]) -> None:
+    """One step that appends one token to each of several sequences."""
+    batch = cache.step(sids, [[t] for t in new])
+    vals = [prefix_values(cache.tokens(s) + [t])[-1] for s, t in zip(sids, new)]
+    k = torch.tensor(vals).view(-1, 1, 1, 1).expand(len(sids), cache.n_kv_head, 1, cache.head_dim).contiguous()
+    for layer in range(cache.n_layer):
+        batch.update(layer, k, -k)
+
+
 def assert_holds(cache: PagedCache, sid: int) -> None:
     """The sequence's K/V, read back through its block table, are exactly what was written."""
     toks = cache.tokens(sid)
@@ -336,7 +345,7 @@ def test_a_stale_parent_never_matches():
 
 
 # -- the fuzz ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("block_size,prefix", [(1, False), (3, True), (4, True)])
+@pytest.mark.parametrize("block_size,prefix", [(1, True), (3, True), (4, False)])
 def test_fuzz_alloc_append_fork_free(block_size, prefix):
     """≥ 1e5 random operations in all (three runs): contents stay exact, reference counts equal
     the number of block tables holding each block, and the pool is whole at the end."""
@@ -351,10 +360,17 @@ def test_fuzz_alloc_append_fork_free(block_size, prefix):
             if r < 0.15 or not live:
                 sid = start(cache, list(rng.choice(prompts)))
                 ops["add"] += 1
-            elif r < 0.65:
+            elif r < 0.55:
                 sid = rng.choice(live)
                 append(cache, sid, [rng.randrange(4) for _ in range(rng.choice([1, 1, 1, 2, 5]))])
                 ops["append"] += 1
+            elif r < 0.65:  # one step for several sequences (forks often share the block they write)
+                group = rng.sample(live, min(len(live), rng.randint(2, 4)))
+                append_many(cache, group, [rng.randrange(4) for _ in group])
+                ops["append"] += 1
+                sid = None
+                for g in group:
+                    assert_holds(cache, g)
             elif r < 0.75:
                 sid = cache.fork(rng.choice(live))
                 ops["fork"] += 1
@@ -403,6 +419,81 @@ def test_a_failed_step_changes_nothing():
     cache.check()
 
 
+def test_one_step_for_a_sequence_and_its_fork_needs_one_copy():
+    """Both owners of a shared partial block write in one step: the first copies it, the
+    second is then alone and writes in place. One free block is enough."""
+    cache = PagedCache(1, 1, 1, num_blocks=2, block_size=4, prefix_caching=False)
+    a = start(cache, [1, 2])
+    b = cache.fork(a)
+    assert cache.blocks_needed([a, b], 1) == 1
+    append_many(cache, [a, b], [3, 4])
+    assert cache.copies == 1 and cache.allocator.num_free == 0
+    assert_holds(cache, a)
+    assert_holds(cache, b)
+
+
+def test_fully_cached_prompt_with_one_token_blocks_copies_the_sealed_block():
+    cache = PagedCache(1, 1, 1, num_blocks=16, block_size=1)
+    a = start(cache, [5, 6, 7])
+    b, cached = cache.add([5, 6, 7])
+    assert cached == 2 and len(cache.block_table(b)) == 3  # the third block is a's sealed one
+    append(cache, b, [7])
+    assert cache.copies == 1 and cache.block_table(b)[2] != cache.block_table(a)[2]
+    assert_holds(cache, a)
+    assert_holds(cache, b)
+
+
+def test_an_unfinished_step_then_fork_shares_nothing_unwritten():
+    """A step whose forward never ran leaves a reserved block; a fork must not share it."""
+    cache = PagedCache(1, 1, 1, num_blocks=8, block_size=4, prefix_caching=False)
+    a = start(cache, [1, 2, 3, 4])
+    cache.step([a], [[5]])  # reserves block 2 for token 4; the forward "fails" before update
+    b = cache.fork(a)
+    assert len(cache.block_table(b)) == 1
+    append(cache, a, [5])
+    append(cache, b, [7])
+    assert_holds(cache, a)
+    assert_holds(cache, b)
+    cache.check()
+
+
+def test_a_stale_batch_refuses_to_write():
+    cache = PagedCache(1, 1, 1, num_blocks=8, block_size=2, prefix_caching=False)
+    a = start(cache, [1, 2, 3])
+    stale = cache.step([a], [[4]])
+    other = start(cache, [9])  # the tables changed after `stale` was made
+    with pytest.raises(ValueError, match="stale"):
+        stale.update(0, torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1))
+    cache.free(a)
+    assert_holds(cache, other)
+    cache.check()
+
+
+def test_a_step_commits_only_when_every_layer_is_written():
+    cache = PagedCache(2, 1, 1, num_blocks=4, block_size=2)
+    a, _ = cache.add()
+    batch = cache.step([a], [[1, 2]])
+    batch.update(1, torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1))  # the last layer first
+    assert cache.seq_len(a) == 0 and not cache.allocator.is_sealed(cache.block_table(a)[0])
+    batch.update(0, torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1))
+    assert cache.seq_len(a) == 2 and cache.allocator.is_sealed(cache.block_table(a)[0])
+
+
+def test_duplicate_prefix_blocks_stay_findable_after_one_is_evicted():
+    cache = PagedCache(1, 1, 1, num_blocks=5, block_size=2)
+    a, _ = cache.add()
+    append(cache, a, [1, 2, 3])  # seals [1, 2] in block X
+    b, _ = cache.add()
+    append(cache, b, [1, 2, 4])  # computed again (not looked up): a second sealed copy, block Y
+    cache.free(a)  # X is freed (cached); then reuse the pool until X is evicted
+    c, _ = cache.add()
+    append(cache, c, [8, 8, 8, 8, 8])  # three blocks: the two uncached free ones, then X
+    assert cache.allocator.evictions == 1
+    d, cached = cache.add([1, 2, 5])
+    assert cached == 2 and cache.block_table(d)[0] == cache.block_table(b)[0]  # Y, still in use, is found
+    cache.check()
+
+
 # -- bad inputs ---------------------------------------------------------------------------------------------------
 def test_bad_inputs_to_the_cache():
     cache = PagedCache(2, 1, 2, num_blocks=8, block_size=2)
@@ -417,6 +508,10 @@ def test_bad_inputs_to_the_cache():
         cache.step([a], [[1], [2]])
     with pytest.raises(ValueError, match="at least one sequence"):
         cache.step([], [])
+    with pytest.raises(TypeError, match="tokens must be int ids, got torch.float32"):
+        cache.step([a], torch.ones(1, 1))
+    with pytest.raises(TypeError, match="int ids"):
+        cache.step([a], [[1.5]])
     batch = cache.step([a], [[4]])
     with pytest.raises(ValueError, match="reserved 1 tokens per sequence but update got 2"):
         batch.update(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
@@ -443,11 +538,14 @@ def test_bad_inputs_to_the_engine(tiny):
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
         eng.add([1], 0)
     with pytest.raises(ValueError, match="need 10 blocks: more than the pool's 8 blocks"):
-        eng.add([1] * 30, 10)
+        eng.add([1] * 30, 11)
     with pytest.raises(ValueError, match="max_seq_len=128"):
         eng.add([1] * 100, 40)
     with pytest.raises(ValueError, match="temperature"):
         eng.add([1], 4, temperature=-1)
+    with pytest.raises(ValueError, match="n=3 samples cannot run at once with max_batch=2"):
+        Engine(tiny, cache, max_batch=2).add([1], 4, n=3)
+    eng.add([1] * 20, 13)  # 32 tokens, of which 31 are ever stored: exactly the pool's 8 blocks of 4
     with pytest.raises(TypeError, match="PagedCache"):
         Engine(tiny, DynamicCache(2))
     with pytest.raises(ValueError, match="cache is shaped"):
@@ -552,6 +650,43 @@ def test_engine_reuses_a_shared_system_prompt(tiny):
     for i, q in enumerate(([40, 41], [42, 43, 44], [45])):
         ids = torch.tensor([system + q])
         assert out[i][0] == kvlib.generate(tiny, ids, max_new_tokens=4)[0, ids.shape[1]:].tolist()
+
+
+def test_engine_requeues_a_request_whose_prefill_fails(tiny):
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    eng = Engine(tiny, cache)
+    eng.add([1, 2, 3, 4, 5], 3)
+    real = tiny.forward
+    tiny.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            eng.step()
+    finally:
+        del tiny.forward  # back to the class's forward
+    assert len(eng.waiting) == 1 and not cache.seqs and cache.allocator.num_used == 0
+    ref = kvlib.generate(tiny, torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=3)[0, 5:].tolist()
+    assert eng.run()[0][0] == ref
+
+
+def test_engine_sampling_under_preemption_and_stop_tokens(tiny):
+    """n > 1, temperature > 0, a tight pool, stop tokens, prefix caching on and off: every
+    request finishes, nothing leaks, and the bookkeeping stays consistent."""
+    for prefix in (True, False):
+        cache = PagedCache.for_model(tiny.config, num_blocks=12, block_size=2, prefix_caching=prefix)
+        eng = Engine(tiny, cache, stop=[0, 1], generator=torch.Generator().manual_seed(1), max_batch=6)
+        rng = random.Random(0)
+        for _ in range(6):
+            eng.add([rng.randrange(50) for _ in range(rng.randint(1, 6))], 8, n=rng.randint(1, 3), temperature=1.0)
+        steps = 0
+        while not eng.finished:
+            eng.step()
+            cache.check()
+            steps += 1
+            assert steps < 500
+        for req in eng.requests.values():
+            assert all(req.done) and all(1 <= len(o) <= 8 for o in req.outputs)
+            assert all(len(o) == 8 or o[-1] in (0, 1) for o in req.outputs)
+        assert cache.allocator.num_used == 0 and eng.stats["preemptions"] > 0
 
 
 def test_engine_stop_token(tiny):
