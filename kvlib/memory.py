@@ -137,7 +137,8 @@ def reservation(policy: str, request: TraceRequest, max_len: int) -> int:
 
     ``max``: the context limit, since the output length is unknown (FasterTransformer,
     Orca "Max"). ``pow2``: the true length rounded up to a power of two. ``oracle``: the
-    true length, which no real server knows in advance (a lower bound on waste).
+    true length. Both of those need the output length in advance, which no real server
+    has; they bound what predicting it could achieve.
     """
     if policy == "max":
         return max_len
