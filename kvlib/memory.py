@@ -184,17 +184,8 @@ class SimResult:
         return 0.0 if occupied == 0 else (occupied - f["token states"]) / occupied
 
 
-def _first_fit(live: list[_Live], size: int, memory_slots: int) -> int | None:
-    """Lowest start of a free gap of ``size`` contiguous slots, or None."""
-    at = 0
-    for r in sorted(live, key=lambda r: r.start):
-        if r.start - at >= size:
-            return at
-        at = r.start + r.size
-    return at if memory_slots - at >= size else None
-
-
 def _gaps(live: list[_Live], memory_slots: int) -> list[tuple[int, int]]:
+    """The free runs ``(start, end)`` between contiguous reservations, in address order."""
     out, at = [], 0
     for r in sorted(live, key=lambda r: r.start):
         if r.start > at:
@@ -203,6 +194,11 @@ def _gaps(live: list[_Live], memory_slots: int) -> list[tuple[int, int]]:
     if at < memory_slots:
         out.append((at, memory_slots))
     return out
+
+
+def _first_fit(live: list[_Live], size: int, memory_slots: int) -> int | None:
+    """Lowest start of a free gap of ``size`` contiguous slots, or None."""
+    return next((a for a, b in _gaps(live, memory_slots) if b - a >= size), None)
 
 
 def simulate(

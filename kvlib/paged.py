@@ -357,15 +357,6 @@ class PagedCache:
         """Bytes of the whole pool, used or not."""
         return self.num_blocks * self.block_bytes
 
-    @property
-    def used_bytes(self) -> int:
-        """Bytes of the blocks in use (shared blocks counted once)."""
-        return self.allocator.num_used * self.block_bytes
-
-    def token_bytes(self) -> int:
-        """Bytes the stored tokens would take unshared and unpadded: the contiguous ideal."""
-        return sum(len(s.tokens) for s in self.seqs.values()) * self.block_bytes // self.block_size
-
     # -- sequences ----------------------------------------------------------------------------------
     def _seq(self, sid) -> _Seq:
         if sid not in self.seqs:
