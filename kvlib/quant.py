@@ -153,6 +153,13 @@ class CastCache(DynamicCache):
         return keys.to(k.dtype), values.to(v.dtype)
 
 
+def _trim(pieces: list[QTensor], n: int) -> int:
+    """Drop whole pieces from the end until at most ``n`` tokens remain; return how many remain."""
+    while pieces and sum(q.shape[2] for q in pieces) > n:
+        pieces.pop()
+    return sum(q.shape[2] for q in pieces)
+
+
 class QuantizedCache(Cache):
     """A KV cache whose older tokens are quantized, KIVI-style.
 
@@ -244,17 +251,11 @@ class QuantizedCache(Cache):
             if kv is None:
                 continue
             keys, values = kv
-            # keys and values may be split into pieces differently (per-channel keys: one piece per
-            # block; per-token values: one per flush), so each list is trimmed on its own
-            def held(pieces):
-                return sum(q.shape[2] for q in pieces)
-
-            start = keep
-            for _ in range(2):  # trim both lists past `keep`, then to the shorter one's length
-                for pieces in (self.qk[layer], self.qv[layer]):
-                    while held(pieces) > start:
-                        pieces.pop()
-                start = min(held(self.qk[layer]), held(self.qv[layer]))
+            # Keys and values may be cut into pieces differently (per channel: one piece per block;
+            # per token: one per flush). Every flush ends on a block boundary, so both lists can be
+            # cut where the coarser one has to stop.
+            start = min(_trim(self.qk[layer], keep), _trim(self.qv[layer], keep))
+            _trim(self.qk[layer], start), _trim(self.qv[layer], start)
             self.rk[layer], self.rv[layer] = keys[:, :, start:keep], values[:, :, start:keep]  # the rest, as floats
 
     def layer_kv(self, layer):
