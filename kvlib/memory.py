@@ -239,7 +239,11 @@ def simulate(
     paged = policy == "paged"
     n_blocks = memory_slots // block_size
     keep_free = int(watermark * n_blocks)  # paged admission leaves this many blocks for growth
-    biggest = max(-(-r.total // block_size) * block_size if paged else reservation(policy, r, max_len) for r in trace)
+
+    def blocks_for(tokens: int) -> int:
+        return -(-tokens // block_size)
+
+    biggest = max(blocks_for(r.total) * block_size if paged else reservation(policy, r, max_len) for r in trace)
     if biggest > (n_blocks * block_size if paged else memory_slots):
         raise ValueError(f"a request needs {biggest} slots but the pool has {memory_slots}")
 
@@ -252,9 +256,6 @@ def simulate(
     idle_batches: list[int] = []
     preemptions = step = 0
     snaps: list[tuple[int, np.ndarray]] = []
-
-    def blocks_for(tokens: int) -> int:
-        return -(-tokens // block_size)
 
     def head_need() -> int:
         req, hold = queue[0]

@@ -223,9 +223,7 @@ class BlockAllocator:
     # -- invariants -------------------------------------------------------------------------------
     def check(self) -> None:
         """Raise ``AssertionError`` if the bookkeeping is inconsistent (used by the tests)."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is on the free list twice")
+        free = self._free  # an ordered dict: a block cannot be on it twice
         for b in range(self.num_blocks):
             if self.refcount[b] < 0:
                 raise AssertionError(f"block {b} has negative reference count {self.refcount[b]}")
