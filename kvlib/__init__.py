@@ -1,20 +1,49 @@
 """kvlib: the small library behind the KV-cache book.
 
 Layout everywhere: ``(batch, heads, seq, head_dim)``.
+
+The top level holds what a chapter or an exercise reaches for first:
+
+* the model: `Transformer`, `ModelConfig`, `PRESETS`, `load_smollm2`, `Tokenizer`, `from_hf`;
+* caches: `Cache` (the protocol, an ``abc.ABC``), `CacheSpec`, `DynamicCache`,
+  `StaticCache`, `PaddedBatch`, and the paged ones, `PagedCache` and `Engine`;
+* attention: `attention`, `grouped_attention`, `attention_mask`, `causal_mask`,
+  `repeat_kv`, `softmax`;
+* generation: `SamplingParams`, `sample`, `prefill`, `decode_step`, `generate`,
+  `generate_naive`, `stream`.
+
+Everything else lives in its module, one idea each: `kvlib.blocks`, `kvlib.paged`,
+`kvlib.engine`, `kvlib.memory`, `kvlib.simulate`, `kvlib.cost`, `kvlib.quant`,
+`kvlib.gqa`, `kvlib.mla`, `kvlib.padding`, `kvlib.evaluate`, `kvlib.data`,
+`kvlib.timing`, `kvlib.check`, `kvlib.validate` (all importable after ``import kvlib``),
+and `kvlib.plot`, `kvlib.explorer`, `kvlib.bench`, which pull in plotting, widgets
+or Hugging Face and are imported on their own.
 """
 
+from . import (  # noqa: F401  (the modules, so that kvlib.memory etc. work after `import kvlib`)
+    blocks, check, cost, data, engine, evaluate, gqa, memory, mla, padding, paged, quant, sampling, simulate,
+    timing, validate,
+)
 from .attention import attention, attention_mask, causal_mask, grouped_attention, repeat_kv, softmax
-from .cache import Cache, DynamicCache, StaticCache
+from .cache import Cache, CacheSpec, DynamicCache, StaticCache
 from .config import PRESETS, ModelConfig
-from .generate import decode_step, generate, generate_naive, prefill, sample, stream
+from .engine import Engine
+from .generate import decode_step, generate, generate_naive, prefill, stream
 from .hf import from_hf
-from . import check, cost, data, evaluate, gqa, memory, padding, paged, quant
 from .model import Transformer
+from .padding import PaddedBatch
+from .paged import PagedCache
 from .pretrained import Tokenizer, load_smollm2
+from .sampling import SamplingParams, sample
 
 __all__ = [
-    "Cache", "DynamicCache", "ModelConfig", "PRESETS", "StaticCache", "Tokenizer", "Transformer",
-    "attention", "attention_mask", "causal_mask", "grouped_attention", "decode_step", "from_hf", "generate", "generate_naive",
-    "load_smollm2", "prefill", "repeat_kv", "sample", "softmax", "stream",
+    # the model
+    "ModelConfig", "PRESETS", "Tokenizer", "Transformer", "from_hf", "load_smollm2",
+    # caches
+    "Cache", "CacheSpec", "DynamicCache", "Engine", "PaddedBatch", "PagedCache", "StaticCache",
+    # attention
+    "attention", "attention_mask", "causal_mask", "grouped_attention", "repeat_kv", "softmax",
+    # generation
+    "SamplingParams", "decode_step", "generate", "generate_naive", "prefill", "sample", "stream",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

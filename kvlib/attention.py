@@ -12,8 +12,12 @@ position ``k_len - q_len + i`` and may see every key up to that position.
 from __future__ import annotations
 
 import math
+from typing import Callable, Union
 
 import torch
+import torch.nn.functional as F
+
+AttentionImpl = Union[str, Callable[..., torch.Tensor]]  # "sdpa", "reference", or fn(q, k, v, mask) -> y
 
 
 def causal_mask(q_len: int, k_len: int, *, device: torch.device | str | None = None) -> torch.Tensor:
@@ -33,12 +37,20 @@ def causal_mask(q_len: int, k_len: int, *, device: torch.device | str | None = N
 
 
 def attention_mask(
-    q_len: int, k_len: int, key_valid: torch.Tensor | None = None, *, device: torch.device | str | None = None
+    q_len: int,
+    k_len: int,
+    key_valid: torch.Tensor | None = None,
+    *,
+    device: torch.device | str | None = None,
+    pads_see_themselves: bool = False,
 ) -> torch.Tensor:
     """Causal mask combined with an optional padding mask.
 
     ``key_valid`` is ``(batch, k_len)`` bool, ``False`` where a key is padding.
     Returns ``(batch or 1, 1, q_len, k_len)``, ready to broadcast over heads.
+    A left-pad query may see no key at all, and a softmax over nothing is NaN;
+    ``pads_see_themselves=True`` lets every query see its own slot. Real tokens
+    never look at pads, so nothing leaks (this is what the model uses).
     """
     mask = causal_mask(q_len, k_len, device=device)[None, None]  # (1, 1, q, k)
     if key_valid is None:
@@ -47,7 +59,11 @@ def attention_mask(
         raise ValueError(
             f"key_valid must be a (batch, k_len={k_len}) bool tensor, got {tuple(key_valid.shape)} {key_valid.dtype}"
         )
-    return mask & key_valid[:, None, None, :].to(mask.device)  # (B, 1, q, k)
+    mask = mask & key_valid[:, None, None, :].to(mask.device)  # (B, 1, q, k)
+    if pads_see_themselves:
+        q_pos = torch.arange(q_len, device=mask.device)[:, None] + (k_len - q_len)  # (q, 1)
+        mask = mask | (torch.arange(k_len, device=mask.device)[None, :] == q_pos)
+    return mask
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -141,3 +157,28 @@ def grouped_attention(
         scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # (B|1, 1, 1, Tq, Tk)
     out = torch.einsum("bkgts,bksd->bkgtd", softmax(scores, dim=-1), v)  # (B, H_kv, G, Tq, D)
     return out.reshape(B, H, Tq, D)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           impl: AttentionImpl = "sdpa") -> torch.Tensor:
+    """One layer's attention for a step: the mask decision, then the kernel ``impl``.
+
+    ``mask=None`` means bottom-right causal with nothing padded. SDPA then needs no
+    mask at all when it is a decode step (``Tq == 1``: the new token sees every key)
+    or a fresh prefill (``Tq == Tk``: its own ``is_causal``); a chunk appended to a
+    non-empty cache gets an explicit bottom-right mask, because SDPA's ``is_causal``
+    aligns top-left. Any other kernel always gets an explicit bool mask. The decision
+    is made here, per layer and per step, so layers with different kernels each get
+    what theirs needs.
+    """
+    Tq, Tk = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if impl == "sdpa" and mask is None and (Tq == 1 or Tq == Tk):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=Tq > 1, enable_gqa=gqa)
+    if mask is None:
+        mask = causal_mask(Tq, Tk, device=q.device)[None, None]  # (1, 1, Tq, Tk)
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if impl == "reference":
+        return attention(q, k, v, mask)
+    return impl(q, k, v, mask)  # (B, H, Tq, D), a learner's kernel

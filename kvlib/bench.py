@@ -5,8 +5,9 @@
 (a) cached vs naive generation on SmolLM2, (b) per-token decode latency as the
 context grows, (c) kvlib vs Hugging Face ``generate`` on the same weights, and
 (d) a roofline: how close a decode step gets to the memory bandwidth that a
-plain matrix-vector product achieves. Timings are medians of wall-clock
-``time.perf_counter``; CPUs are noisy, so read ratios, not absolute numbers.
+plain matrix-vector product achieves. The timing helpers live in
+`kvlib.timing`; this module is only the plan, the four sections, the report
+and the command line. CPUs are noisy, so read ratios, not absolute numbers.
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from . import cost
-from .cache import StaticCache
-from .generate import decode_step, generate, generate_naive, prefill
+from . import cost, timing
+from .generate import generate, generate_naive
 from .model import Transformer
-from .pretrained import load_smollm2, smollm2_gguf_path
+from .pretrained import Tokenizer, load_smollm2, smollm2_gguf_path
+from .validate import positive_int
 
 PROMPT_TEXT = (
     "The printing press changed Europe in ways its inventor could not have foreseen. Before Gutenberg, "
@@ -46,6 +45,8 @@ MATVEC_COUNT = 60  # ...times 60 distinct copies, so that they do not sit in cac
 
 @dataclass(frozen=True)
 class Plan:
+    """Sizes of one run: the prompt, what each section measures, and how often."""
+
     prompt_len: int
     new_tokens: tuple[int, ...]
     contexts: tuple[int, ...]
@@ -60,89 +61,13 @@ FULL = Plan(64, (32, 64, 128, 256), (64, 256, 1024), 64, 3, 1, 20, 20)
 QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 5)
 
 
-# -- timing -------------------------------------------------------------------------------
-def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:
-    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed (seconds)."""
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return {"median": statistics.median(times), "min": min(times), "all": times}
-
-
-def prompt_ids(tok, n: int) -> torch.Tensor:
+# -- inputs ------------------------------------------------------------------------------
+def prompt_ids(tok: Tokenizer, n: int) -> torch.Tensor:
     """The first ``n`` token ids of `PROMPT_TEXT`, as a ``(1, n)`` LongTensor."""
     ids = tok.encode(PROMPT_TEXT)
     if not 1 <= n <= len(ids):
         raise ValueError(f"prompt length must lie in [1, {len(ids)}] (PROMPT_TEXT's tokens), got {n}")
     return torch.tensor([ids[:n]])
-
-
-def time_generation(
-    model: Transformer, ids: torch.Tensor, n: int, naive: bool = False, *, warmup: int = 0, repeats: int = 1
-) -> tuple[torch.Tensor, dict]:
-    """Greedy ``generate`` (or ``generate_naive``) of ``n`` tokens: (last output, timings)."""
-    run = generate_naive if naive else generate
-    outs = []
-    timing = timeit(lambda: outs.append(run(model, ids, n)), warmup=warmup, repeats=repeats)
-    return outs[-1], timing
-
-
-def decode_stepper(model: Transformer, ids: torch.Tensor, context: int) -> Callable[[], None]:
-    """A function that runs one decode step with exactly ``context`` tokens cached.
-
-    The cache is filled by one prefill (``ids`` repeated to length) and cropped
-    back to ``context`` after every step, so every call sees the same context.
-    """
-    filler = ids.repeat(1, -(-context // ids.shape[1]))[:, :context]
-    cache = StaticCache.for_model(model.config, 1, context + 1, dtype=model.dtype, device=model.device)
-    prefill(model, filler, cache)
-    tok = filler[:, -1]
-
-    def step() -> None:
-        decode_step(model, tok, cache)
-        cache.crop(context)  # a list update: negligible next to the step
-
-    return step
-
-
-def decode_latency(model: Transformer, ids: torch.Tensor, context: int, steps: int = 20) -> dict:
-    """Timings (seconds) of ``steps`` single decode steps at a fixed ``context``."""
-    return timeit(decode_stepper(model, ids, context), warmup=2, repeats=steps)
-
-
-def matvec_bandwidth(in_features: int, out_features: int, count: int = 1, repeats: int = 10) -> dict:
-    """GB/s of one vector times ``count`` distinct fp32 matrices, in both layouts.
-
-    ``in_out`` stores W ``(in, out)`` and computes ``x @ W`` (kvlib's Linear);
-    ``out_in`` stores ``(out, in)`` and calls ``F.linear(x, W)`` (nn.Linear).
-    The two sweeps alternate, so that noise from other processes hits both.
-    """
-    for name, v in (("in_features", in_features), ("out_features", out_features), ("count", count), ("repeats", repeats)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    x = torch.randn(1, in_features)
-    mats = {"in_out": [torch.randn(in_features, out_features) for _ in range(count)]}
-    mats["out_in"] = [w.t().contiguous() for w in mats["in_out"]]  # same numbers, nn.Linear layout
-
-    def sweep(layout: str) -> None:
-        op = torch.matmul if layout == "in_out" else F.linear
-        for w in mats[layout]:
-            op(x, w)
-
-    times = {k: [] for k in mats}
-    for _ in range(repeats):
-        for layout in times:
-            times[layout].append(timeit(lambda: sweep(layout), warmup=1, repeats=1)["median"])
-    nbytes = sum(w.nbytes for w in mats["in_out"])
-    return {layout: nbytes / statistics.median(t) / 1e9 for layout, t in times.items()}
 
 
 def load_hf_smollm2():
@@ -155,7 +80,9 @@ def load_hf_smollm2():
     transformers.utils.logging.disable_progress_bar()
     path = smollm2_gguf_path()
     with contextlib.redirect_stderr(io.StringIO()):  # the GGUF dequantizer's own tqdm bar
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
     return hf.eval()
 
 
@@ -185,8 +112,8 @@ def bench_generation(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
     generate_naive(model, ids, 2)
     out = {}
     for n in plan.new_tokens:
-        a, tc = time_generation(model, ids, n, repeats=plan.cached_repeats)
-        b, tn = time_generation(model, ids, n, naive=True, repeats=plan.naive_repeats)
+        a, tc = timing.time_generation(model, ids, n, repeats=plan.cached_repeats)
+        b, tn = timing.time_generation(model, ids, n, naive=True, repeats=plan.naive_repeats)
         flops = [f(model.config, ids.shape[1], n) for f in (cost.naive_flops, cost.cached_flops)]
         out[str(n)] = {"cached_s": tc["median"], "naive_s": tn["median"], "speedup": tn["median"] / tc["median"],
                        "identical": torch.equal(a, b), "flops_ratio": flops[0] / flops[1],
@@ -197,25 +124,25 @@ def bench_generation(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
 
 def bench_decode(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
     """(b) Median ms per decode step at each of ``plan.contexts``, and its ratio to the first."""
-    steppers = {c: decode_stepper(model, ids, c) for c in plan.contexts}
+    steppers = {c: timing.decode_stepper(model, ids, c) for c in plan.contexts}
     times = {c: [] for c in plan.contexts}
     for step in steppers.values():
-        timeit(step, warmup=2, repeats=1)
+        timing.timeit(step, warmup=2, repeats=1)
     for _ in range(plan.decode_steps):  # round-robin: drift in machine load hits every context alike
         for c, step in steppers.items():
-            times[c].append(timeit(step, warmup=0, repeats=1)["median"])
+            times[c].append(timing.timeit(step, warmup=0, repeats=1)["median"])
     first = statistics.median(times[plan.contexts[0]])
     return {str(c): {"ms": 1e3 * statistics.median(t), "ratio": statistics.median(t) / first} for c, t in times.items()}
 
 
 def bench_roofline(model: Transformer, decode: dict, plan: Plan) -> dict:
     """(d) Matvec bandwidth in both layouts, and the bandwidth (b)'s decode steps achieved."""
-    big = matvec_bandwidth(MATVEC_BIG, MATVEC_BIG, 1, plan.matvec_repeats)
-    small = matvec_bandwidth(*MATVEC_SMALL, MATVEC_COUNT, plan.matvec_repeats)
+    big = timing.matvec_bandwidth(MATVEC_BIG, MATVEC_BIG, 1, plan.matvec_repeats)
+    small = timing.matvec_bandwidth(*MATVEC_SMALL, MATVEC_COUNT, plan.matvec_repeats)
     out = {"big_in_out_gbs": big["in_out"], "big_out_in_gbs": big["out_in"],
            "small_in_out_gbs": small["in_out"], "small_out_in_gbs": small["out_in"]}
     for ctx in (plan.contexts[0], plan.contexts[-1]):
-        nbytes = cost.decode_bytes_per_token(model.config, ctx, dtype_bytes=model.dtype.itemsize)
+        nbytes = cost.decode_bytes_per_token(model.config, ctx, dtype=model.dtype.itemsize)
         gbs = nbytes / (decode[str(ctx)]["ms"] / 1e3) / 1e9
         out[f"decode_ctx{ctx}"] = {"bytes": nbytes, "gbs": gbs, "fraction": gbs / out["big_in_out_gbs"],
                                    "fraction_small": gbs / out["small_in_out_gbs"]}
@@ -223,10 +150,19 @@ def bench_roofline(model: Transformer, decode: dict, plan: Plan) -> dict:
 
 
 # -- reporting ------------------------------------------------------------------------------
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def machine_info(threads: int) -> dict:
     """What the numbers were measured on."""
-    return {"torch": torch.__version__, "threads": threads, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "processor": platform.processor(), "loadavg_start": os.getloadavg()[0],
+    return {"torch": torch.__version__, "threads": threads, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor(), "loadavg_start": load_average(),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
@@ -280,12 +216,18 @@ def targets(r: dict, plan: Plan) -> list[dict]:
     return out
 
 
+def header(m: dict) -> str:
+    """Two lines on the machine (`machine_info`, plus ``loadavg_end``): versions, threads, load."""
+    load = [("n/a" if m.get(k) is None else f"{m[k]:.2f}") for k in ("loadavg_start", "loadavg_end")]
+    return (f"kvlib bench | torch {m['torch']} | {m['threads']} threads of {m['cpu_count']} CPUs | "
+            f"{m['platform']} | {m['date']}\n"
+            f"1-min load average: {load[0]} at start, {load[1]} at end "
+            "(well above the thread count means other processes competed: expect noise)")
+
+
 def print_report(r: dict, plan: Plan) -> None:
-    m = r["machine"]
-    print(f"kvlib bench | torch {m['torch']} | {m['threads']} threads of {m['cpu_count']} CPUs | "
-          f"{m['platform']} | {m['date']}")
-    print(f"1-min load average: {m['loadavg_start']:.2f} at start, {m['loadavg_end']:.2f} at end "
-          "(well above the thread count means other processes competed: expect noise)")
+    """The machine, one table row per measurement, and each target's verdict, on stdout."""
+    print(header(r["machine"]))
     rows = table_rows(r, plan)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -297,28 +239,33 @@ def print_report(r: dict, plan: Plan) -> None:
         print(f"  {verdict}  {t['claim']:<56} measured {shown}")
 
 
-def _to_json(x):
+def json_ready(x: object) -> object:
+    """``x`` in plain JSON types: ints stay ints and floats floats, tuples become lists,
+    and numpy or torch scalars become the Python number they hold."""
     if isinstance(x, dict):
-        return {k: _to_json(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_to_json(v) for v in x]
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return float(x)
-    return x
+        return {str(k): json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_ready(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if hasattr(x, "item"):  # a numpy or torch scalar
+        return x.item()
+    raise TypeError(f"cannot write {type(x).__name__} as JSON: {x!r}")
 
 
-def _positive_int(s: str) -> int:
-    n = int(s)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _threads(s: str) -> int:
+    """``--threads``: a positive int, or argparse's usage error naming it."""
+    try:
+        return positive_int("--threads", int(s))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvlib.bench", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    p.add_argument("--threads", type=_positive_int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--threads", type=_threads, default=2, help="torch.set_num_threads (default 2)")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
@@ -338,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         del hf
         print("(d) matvec bandwidth and roofline ...\n", flush=True)
         r["roofline"] = bench_roofline(model, r["decode"], plan)
-    r["machine"]["loadavg_end"] = os.getloadavg()[0]
+    r["machine"]["loadavg_end"] = load_average()
     r["targets"] = targets(r, plan)
     print_report(r, plan)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_to_json(r), f, indent=1)
+            json.dump(json_ready(r), f, indent=1)
         print(f"\nwrote {args.json}")
     bad = [f"cached vs naive at {n} new tokens" for n, g in r["generation"].items() if not g["identical"]]
     bad += [] if r["hf"]["identical"] else [f"kvlib vs HF at {plan.hf_tokens} new tokens"]

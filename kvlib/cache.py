@@ -1,14 +1,23 @@
 """Where the keys and values live between decode steps.
 
-Every cache speaks the protocol of Hugging Face's ``Cache``::
+Every cache speaks the protocol of Hugging Face's ``Cache`` (transformers 5.x)::
 
-    keys, values = cache.update(layer, k, v)   # append, then return everything so far
+    keys, values = cache.update(k, v, layer)   # append, then return everything so far
+    cache.get_seq_length()                     # tokens held (layer 0)
+    cache.crop(n); cache.reset()
 
 ``k`` and ``v`` are ``(batch, kv_heads, new_tokens, head_dim)``. The model
 calls ``update`` once per layer per forward pass, in layer order, so
 ``cache.seq_len`` (the length of layer 0) is the position of the next token.
 
-Two storage policies:
+A cache also says *where* a step's tokens sit and *what they may see*:
+``cache.positions(tokens)`` gives their RoPE positions and ``cache.mask(tokens)``
+their attention mask (None: plain bottom-right causal). The defaults below
+continue after what the cache holds; caches that lay keys out their own way
+(`kvlib.padding.PaddedBatch`, `kvlib.paged.PagedBatch`) override them, so
+``model(tokens, cache)`` is right with no extra arguments.
+
+Two storage policies live here:
 
 * `DynamicCache` grows with ``torch.cat``: simple, but every step copies the
   whole cache into a fresh tensor.
@@ -19,58 +28,121 @@ Two storage policies:
 
 from __future__ import annotations
 
+import abc
+from dataclasses import dataclass
+
 import torch
 
 from .config import ModelConfig
+from .validate import positive_int
 
 Legacy = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # ((k_0, v_0), (k_1, v_1), ...)
 
 
-class Cache:
-    """Base class: shared argument checks and the legacy tuple format."""
+@dataclass(frozen=True)
+class CacheSpec:
+    """What every ``update`` of one cache must match: set by the first update (or the constructor)."""
+
+    batch: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Cache(abc.ABC):
+    """The protocol every kvlib cache follows, and the helpers a subclass needs.
+
+    To write your own cache, implement the six abstract members: ``update``,
+    ``get_seq_length``, ``nbytes``, ``reset``, ``crop`` and ``layer_kv``. Start
+    ``update`` with ``self.validate_update(k, v, layer)`` (shapes, dtype, device,
+    layer index, consistency with earlier updates), and ``crop`` with
+    ``keep = self.crop_length(n)``. Then run `kvlib.check.check_cache` on it.
+
+    How it differs from Hugging Face's ``Cache``: the argument order and names of
+    ``update(key_states, value_states, layer_idx)``, ``get_seq_length``, ``crop``
+    and ``reset`` are the same. kvlib's ``update`` takes no ``cache_kwargs`` dict
+    (RoPE is applied before the cache, and positions come from ``positions``), it
+    returns only the valid keys (never a padded static buffer), and the per-step
+    ``positions``/``mask`` stand where HF passes ``cache_position`` and builds
+    masks from ``get_mask_sizes``.
+    """
 
     def __init__(self, n_layer: int) -> None:
-        if not isinstance(n_layer, int) or n_layer <= 0:
-            raise ValueError(f"n_layer must be a positive int, got {n_layer!r}")
-        self.n_layer = n_layer
+        self.n_layer = positive_int("n_layer", n_layer)
         self.bytes_written = 0  # bytes this cache has copied into its storage, all layers, K and V
-        # (batch, kv_heads, head_dim, dtype, device) that every update must match
-        self._spec: tuple[int, int, int, torch.dtype, torch.device] | None = None
+        self.spec: CacheSpec | None = None  # fixed by the first update; reset() may clear it
 
-    # -- the protocol ---------------------------------------------------------
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+    # -- the protocol: what a subclass implements -------------------------------------------------
+    @abc.abstractmethod
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``(B, H_kv, T, D)`` keys and values to ``layer_idx``; return all of that layer's keys and values."""
 
-    def get_seq_len(self, layer: int = 0) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held in ``layer_idx``."""
 
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of memory the cache holds for keys and values."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget every token (the storage may be kept for reuse)."""
+
+    @abc.abstractmethod
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens; a negative value drops ``-max_length`` tokens from the end."""
+
+    @abc.abstractmethod
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The valid ``(keys, values)`` of one layer, or None if it is empty."""
+
+    # -- where a step's tokens sit and what they may see -------------------------------------------
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` RoPE positions of a step's new ``tokens`` ``(B, T)``: right after what is cached."""
+        past = self.get_seq_length()
+        B, T = tokens.shape
+        return torch.arange(past, past + T, device=tokens.device).expand(B, T)
+
+    def mask(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The step's attention mask ``(B or 1, 1, T, past + T)``, True = may attend.
+
+        None means "bottom-right causal over everything held, nothing padded", which
+        lets `kvlib.attention.attend` take SDPA's fastest path.
+        """
+        return None
+
+    # -- helpers for subclasses -------------------------------------------------------------------
     @property
     def seq_len(self) -> int:
         """Tokens held (in layer 0, which is updated first in every forward)."""
-        return self.get_seq_len(0)
+        return self.get_seq_length(0)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of memory the cache holds for keys and values."""
-        raise NotImplementedError
+    def get_seq_len(self, layer: int = 0) -> int:
+        """kvlib 0.1's name for `get_seq_length`."""
+        return self.get_seq_length(layer)
 
-    def reset(self) -> None:
-        raise NotImplementedError
+    def check_layer(self, layer_idx: object) -> int:
+        """``layer_idx`` if it is an int in ``[0, n_layer)``; else ``IndexError`` (``TypeError`` for a non-int)."""
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+            raise TypeError(
+                f"layer_idx must be an int, got {type(layer_idx).__name__}; kvlib 0.2 follows Hugging Face's "
+                f"argument order: update(key_states, value_states, layer_idx)"
+            )
+        if not 0 <= layer_idx < self.n_layer:
+            raise IndexError(f"layer {layer_idx} is out of range for a cache of {self.n_layer} layers")
+        return layer_idx
 
-    def crop(self, n: int) -> None:
-        """Keep the first ``n`` tokens; a negative ``n`` drops ``-n`` tokens from the end."""
-        raise NotImplementedError
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The valid ``(keys, values)`` of one layer, or None if it is empty."""
-        raise NotImplementedError
-
-    # -- helpers shared by subclasses ----------------------------------------------
-    def _check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < self.n_layer:
-            raise IndexError(f"layer {layer!r} is out of range for a cache of {self.n_layer} layers")
+    def validate_update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
+        """Check one ``update``'s arguments; the first update fixes `spec` for every later one."""
         if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-            raise TypeError(f"k and v must be tensors, got {type(k).__name__} and {type(v).__name__}")
+            hint = " (the layer index goes last: update(k, v, layer_idx))" if isinstance(k, int) else ""
+            raise TypeError(f"k and v must be tensors, got {type(k).__name__} and {type(v).__name__}{hint}")
+        self.check_layer(layer_idx)
         if k.dim() != 4 or k.shape != v.shape:
             raise ValueError(
                 f"k and v must both be (batch, kv_heads, new_tokens, head_dim); got {tuple(k.shape)} and {tuple(v.shape)}"
@@ -79,28 +151,32 @@ class Cache:
             raise TypeError(f"k and v differ: {k.dtype} on {k.device} vs {v.dtype} on {v.device}")
         if k.shape[2] == 0:
             raise ValueError(f"update with zero new tokens: k has shape {tuple(k.shape)}")
-        if self._spec is None:
-            self._spec = (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
+        if self.spec is None:
+            self.spec = CacheSpec(k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
             return
-        B, H, D, dtype, device = self._spec
-        for what, want, got in (("batch", B, k.shape[0]), ("kv_heads", H, k.shape[1]), ("head_dim", D, k.shape[3])):
+        s = self.spec
+        for what, want, got in (("batch", s.batch, k.shape[0]), ("kv_heads", s.kv_heads, k.shape[1]),
+                                ("head_dim", s.head_dim, k.shape[3])):
             if want != got:
                 raise ValueError(
-                    f"{type(self).__name__} holds {what}={want} but update(layer={layer}) got {what}={got} "
-                    f"(k shape {tuple(k.shape)}, expected ({B}, {H}, T, {D}))"
+                    f"{type(self).__name__} holds {what}={want} but update(layer={layer_idx}) got {what}={got} "
+                    f"(k shape {tuple(k.shape)}, expected ({s.batch}, {s.kv_heads}, T, {s.head_dim}))"
                 )
-        if k.dtype != dtype:
-            raise TypeError(f"{type(self).__name__} holds {dtype} but update(layer={layer}) got {k.dtype}")
-        if k.device != device:
-            raise TypeError(f"{type(self).__name__} lives on {device} but update(layer={layer}) got a tensor on {k.device}")
+        if k.dtype != s.dtype:
+            raise TypeError(f"{type(self).__name__} holds {s.dtype} but update(layer={layer_idx}) got {k.dtype}")
+        if k.device != s.device:
+            raise TypeError(
+                f"{type(self).__name__} lives on {s.device} but update(layer={layer_idx}) got a tensor on {k.device}"
+            )
 
-    def _crop_target(self, n: int) -> int:
-        if not isinstance(n, int):
-            raise TypeError(f"crop takes an int, got {type(n).__name__}")
+    def crop_length(self, max_length: int) -> int:
+        """How many tokens ``crop(max_length)`` keeps: ``max_length``, or ``seq_len + max_length`` if negative."""
+        if not isinstance(max_length, int) or isinstance(max_length, bool):
+            raise TypeError(f"crop takes an int, got {type(max_length).__name__}")
         have = self.seq_len
-        keep = n if n >= 0 else have + n
+        keep = max_length if max_length >= 0 else have + max_length
         if keep < 0:
-            raise IndexError(f"cannot drop {-n} tokens from a cache that holds {have}")
+            raise IndexError(f"cannot drop {-max_length} tokens from a cache that holds {have}")
         return min(keep, have)
 
     def to_legacy(self) -> Legacy:
@@ -130,6 +206,7 @@ class DynamicCache(Cache):
 
     Each update allocates a new ``(B, H, S + t, D)`` tensor and copies the old
     ``S`` tokens into it, so decoding N tokens copies O(N²) bytes in total.
+    ``keys[layer]`` and ``values[layer]`` are the stored tensors (None while empty).
     """
 
     def __init__(self, n_layer: int) -> None:
@@ -137,18 +214,19 @@ class DynamicCache(Cache):
         self.keys: list[torch.Tensor | None] = [None] * n_layer
         self.values: list[torch.Tensor | None] = [None] * n_layer
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check(layer, k, v)
+    def update(self, key_states, value_states, layer_idx):
+        self.validate_update(key_states, value_states, layer_idx)
+        layer = layer_idx
         if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
+            self.keys[layer], self.values[layer] = key_states, value_states
         else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)  # (B, H, S + t, D): a full copy
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+            self.keys[layer] = torch.cat([self.keys[layer], key_states], dim=2)  # (B, H, S + t, D): a full copy
+            self.values[layer] = torch.cat([self.values[layer], value_states], dim=2)
         self.bytes_written += self.keys[layer].nbytes + self.values[layer].nbytes  # old + new, every time
         return self.keys[layer], self.values[layer]
 
-    def get_seq_len(self, layer: int = 0) -> int:
-        k = self.keys[layer]
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        k = self.keys[layer_idx]
         return 0 if k is None else k.shape[2]
 
     @property
@@ -158,35 +236,36 @@ class DynamicCache(Cache):
     def reset(self) -> None:
         self.keys = [None] * self.n_layer
         self.values = [None] * self.n_layer
-        self._spec = None
+        self.spec = None
 
-    def crop(self, n: int) -> None:
-        keep = self._crop_target(n)
+    def crop(self, max_length: int) -> None:
+        keep = self.crop_length(max_length)
         for layer in range(self.n_layer):
             if self.keys[layer] is not None:
                 self.keys[layer] = self.keys[layer][:, :, :keep]
                 self.values[layer] = self.values[layer][:, :, :keep]
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        k = self.keys[layer]
-        return None if k is None else (k, self.values[layer])
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        k = self.keys[layer_idx]
+        return None if k is None else (k, self.values[layer_idx])
 
     @classmethod
     def from_legacy(cls, past: Legacy) -> "DynamicCache":
         _check_legacy(past)
         cache = cls(len(past))
         for layer, (k, v) in enumerate(past):
-            cache.update(layer, k, v)
+            cache.update(k, v, layer)
         return cache
 
 
 class StaticCache(Cache):
     """Preallocated buffers, written in place, as in gpt-fast.
 
-    Shape per layer: ``(batch, kv_heads, max_len, head_dim)``. ``update``
-    writes the new tokens into the next free slots and returns a view of the
-    filled prefix. Overflow raises ``IndexError`` unless ``grow=True``, in
-    which case the capacity doubles (amortised O(1) copying per token).
+    Shape per layer: ``(batch, kv_heads, max_len, head_dim)``, in ``keys[layer]``
+    and ``values[layer]``. ``update`` writes the new tokens into the next free
+    slots and returns a view of the filled prefix. Overflow raises ``IndexError``
+    unless ``grow=True``, in which case the capacity doubles (amortised O(1)
+    copying per token).
     """
 
     def __init__(
@@ -203,8 +282,7 @@ class StaticCache(Cache):
     ) -> None:
         super().__init__(n_layer)
         for name, val in (("batch", batch), ("n_kv_head", n_kv_head), ("max_len", max_len), ("head_dim", head_dim)):
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"StaticCache {name} must be a positive int, got {val!r}")
+            positive_int(f"StaticCache {name}", val)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         device = torch.device(device) if device is not None else torch.device("cpu")
@@ -213,8 +291,7 @@ class StaticCache(Cache):
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.lengths = [0] * n_layer  # filled slots per layer
         self.grow = grow
-        probe = self.keys[0]
-        self._spec = (batch, n_kv_head, head_dim, dtype, probe.device)
+        self.spec = CacheSpec(batch, n_kv_head, head_dim, dtype, self.keys[0].device)
 
     @classmethod
     def for_model(
@@ -228,7 +305,8 @@ class StaticCache(Cache):
         grow: bool = False,
     ) -> "StaticCache":
         """A cache shaped for ``config``: its layers, KV heads and head_dim."""
-        return cls(config.n_layer, batch, config.n_kv_head, max_len, config.head_dim, dtype=dtype, device=device, grow=grow)
+        return cls(config.n_layer, batch, config.n_kv_head, max_len, config.head_dim, dtype=dtype, device=device,
+                   grow=grow)
 
     @property
     def capacity(self) -> int:
@@ -247,25 +325,26 @@ class StaticCache(Cache):
                 self.bytes_written += new[:, :, : self.lengths[layer]].nbytes
                 buf[layer] = new
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check(layer, k, v)
+    def update(self, key_states, value_states, layer_idx):
+        self.validate_update(key_states, value_states, layer_idx)
+        layer, T = layer_idx, key_states.shape[2]
         start = self.lengths[layer]
-        end = start + k.shape[2]
+        end = start + T
         if end > self.capacity:
             if not self.grow:
                 raise IndexError(
-                    f"StaticCache overflow in layer {layer}: {start} tokens cached + {k.shape[2]} new "
+                    f"StaticCache overflow in layer {layer}: {start} tokens cached + {T} new "
                     f"> max_len={self.capacity}; allocate a larger cache or pass grow=True"
                 )
             self._reserve(end)
-        self.keys[layer][:, :, start:end] = k
-        self.values[layer][:, :, start:end] = v
-        self.bytes_written += k.nbytes + v.nbytes  # only the new tokens
+        self.keys[layer][:, :, start:end] = key_states
+        self.values[layer][:, :, start:end] = value_states
+        self.bytes_written += key_states.nbytes + value_states.nbytes  # only the new tokens
         self.lengths[layer] = end
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
-    def get_seq_len(self, layer: int = 0) -> int:
-        return self.lengths[layer]
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx]
 
     @property
     def nbytes(self) -> int:
@@ -275,13 +354,13 @@ class StaticCache(Cache):
     def reset(self) -> None:
         self.lengths = [0] * self.n_layer  # old contents are simply overwritten later
 
-    def crop(self, n: int) -> None:
-        keep = self._crop_target(n)
+    def crop(self, max_length: int) -> None:
+        keep = self.crop_length(max_length)
         self.lengths = [min(n_, keep) for n_ in self.lengths]
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        n = self.lengths[layer]
-        return None if n == 0 else (self.keys[layer][:, :, :n], self.values[layer][:, :, :n])
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        n = self.lengths[layer_idx]
+        return None if n == 0 else (self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n])
 
     @classmethod
     def from_legacy(cls, past: Legacy, max_len: int | None = None, *, grow: bool = False) -> "StaticCache":
@@ -294,5 +373,5 @@ class StaticCache(Cache):
         max_len = S if max_len is None else max_len
         cache = cls(len(past), B, H, max_len, D, dtype=k0.dtype, device=k0.device, grow=grow)
         for layer, (k, v) in enumerate(past):
-            cache.update(layer, k, v)
+            cache.update(k, v, layer)
         return cache

@@ -52,7 +52,7 @@ def _filled(make: Factory, dtype: torch.dtype, chunks=CHUNKS) -> tuple[Cache, li
     for step, T in enumerate(chunks):
         for layer in range(L):
             k, v = _kv(T, 100 * step + layer, dtype)
-            k_all, v_all = cache.update(layer, k, v)
+            k_all, v_all = cache.update(k, v, layer)
             ks[layer].append(k)
             vs[layer].append(v)
             _expect_equal("update returns everything so far", f"keys of layer {layer} after step {step}",
@@ -69,14 +69,14 @@ def check_update(make: Factory, dtype: torch.dtype = torch.float32) -> None:
     if cache.seq_len != total:
         _fail("seq_len counts tokens", f"seq_len is {cache.seq_len} after {total} tokens")
     for layer in range(L):
-        if cache.get_seq_len(layer) != total:
-            _fail("seq_len counts tokens", f"get_seq_len({layer}) is {cache.get_seq_len(layer)}, expected {total}")
+        if cache.get_seq_length(layer) != total:
+            _fail("seq_len counts tokens", f"get_seq_length({layer}) is {cache.get_seq_length(layer)}, expected {total}")
 
 
 def check_layers_independent(make: Factory, dtype: torch.dtype = torch.float32) -> None:
     """Writing layer 1 must not change what layer 0 holds."""
     cache, ks, vs = _filled(make, dtype, [2])
-    cache.update(1, *_kv(1, 999, dtype))
+    cache.update(*_kv(1, 999, dtype), 1)
     k0, v0 = cache.layer_kv(0)
     _expect_equal("layers are independent", "layer 0 keys after writing layer 1", k0, ks[0])
     _expect_equal("layers are independent", "layer 0 values after writing layer 1", v0, vs[0])
@@ -94,7 +94,7 @@ def check_crop_and_reset(make: Factory, dtype: torch.dtype = torch.float32) -> N
     if cache.seq_len != 3:
         _fail("crop keeps a prefix", f"seq_len is {cache.seq_len} after crop(-1) from 4")
     k_new, v_new = _kv(1, 7, dtype)
-    k_all, _ = cache.update(0, k_new, v_new)
+    k_all, _ = cache.update(k_new, v_new, 0)
     _expect_equal("crop keeps a prefix", "layer 0 keys after crop then update", k_all,
                   torch.cat([ks[0][:, :, :3], k_new], dim=2))
     cache.reset()
@@ -126,7 +126,7 @@ def check_rejects_bad_updates(make: Factory, dtype: torch.dtype = torch.float32)
     cache, _, _ = _filled(make, dtype, [2])
     k = torch.randn(B + 1, H, 1, D).to(dtype)
     try:
-        cache.update(0, k, k.clone())
+        cache.update(k, k.clone(), 0)
     except (ValueError, TypeError, IndexError):
         pass
     else:

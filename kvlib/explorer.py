@@ -14,18 +14,18 @@ Only the arithmetic lives here; nothing is allocated.
 from __future__ import annotations
 
 from html import escape
+from typing import TYPE_CHECKING
 
 from .config import PRESETS, ModelConfig
-from .memory import DTYPE_BYTES, GiB, _bytes_of, kv_cache_bytes, weight_bytes
+from .memory import DTYPE_BYTES, GiB, dtype_bytes, kv_cache_bytes, weight_bytes
+from .validate import positive_int
+
+if TYPE_CHECKING:
+    import ipywidgets
 
 MODELS = ["smollm2-135m", "llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3-70b"]  # Llama-family presets
 CONTEXTS = [2**k for k in range(7, 18)]  # 128 ... 131072 tokens
 GPUS_GIB = [16, 24, 40, 80, 141]  # common accelerator memory sizes
-
-
-def _positive_int(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def kv_head_choices(config: ModelConfig) -> list[int]:
@@ -54,8 +54,8 @@ def cache_report(
         config = PRESETS[config]
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig or a preset name, got {type(config).__name__}")
-    _positive_int("batch", batch)
-    _positive_int("seq_len", seq_len)
+    positive_int("batch", batch)
+    positive_int("seq_len", seq_len)
     if n_kv_head is not None and n_kv_head != config.n_kv_head:
         if n_kv_head not in kv_head_choices(config):
             raise ValueError(
@@ -70,7 +70,7 @@ def cache_report(
     return {
         "model": config.name,
         "n_layer": config.n_layer, "n_kv_head": config.n_kv_head, "head_dim": config.head_dim,
-        "batch": batch, "seq_len": seq_len, "dtype_bytes": _bytes_of(dtype),
+        "batch": batch, "seq_len": seq_len, "dtype_bytes": dtype_bytes(dtype),
         "weight_bytes": weights, "cache_bytes": cache, "gpu_bytes": gpu,
         "fits": weights + cache <= gpu,
         "cache_over_weights": cache / weights,
@@ -122,7 +122,9 @@ def report_html(report: dict) -> str:
     )
 
 
-def explorer(model: str = "llama-2-7b", dtype: str = "fp16", batch: int = 8, seq_len: int = 4096, gpu_gib: int = 80):
+def explorer(
+    model: str = "llama-2-7b", dtype: str = "fp16", batch: int = 8, seq_len: int = 4096, gpu_gib: int = 80
+) -> ipywidgets.VBox:
     """An ipywidgets panel: model, cache dtype, batch, context, KV heads and GPU in; bytes and bars out."""
     import ipywidgets as w  # imported here so kvlib itself does not need ipywidgets
 

@@ -8,54 +8,14 @@ stopping code below, so any difference in their output is the cache's fault.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from .cache import Cache, StaticCache
-from .model import Transformer
-from .padding import pad, position_ids
-
-
-# -- sampling ---------------------------------------------------------------------------
-def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-
-
-def sample(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Pick one token per row of ``logits`` ``(B, vocab)``; returns ``(B,)``.
-
-    ``temperature=0`` is greedy (argmax). Otherwise the logits are divided by
-    the temperature, cut to the ``top_k`` largest and to the smallest set whose
-    probability reaches ``top_p``, and sampled with ``generator``.
-    """
-    _check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1): the k-th largest
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-        drop_sorted = before >= top_p  # the first token is always kept
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+from .model import Transformer, check_token_range
+from .padding import PaddedBatch, pad, position_ids
+from .sampling import SamplingParams, sample, sampling_params
 
 
 # -- the two phases ---------------------------------------------------------------------
@@ -122,24 +82,14 @@ def _as_batch(prompt_ids, model: Transformer, attention_mask=None, pad_id: int =
             raise ValueError("padding must be on the left for generation (a 1 followed by a 0 in attention_mask)")
         if bool(valid.all()):
             valid = None  # nothing padded: use the fast path
-    V = model.config.vocab_size
-    real = ids if valid is None else ids[valid]
-    lo, hi = int(real.min()), int(real.max())
-    if lo < 0 or hi >= V:
-        raise IndexError(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {V})")
+    try:  # once, at the API boundary: the forward itself skips this check off the CPU
+        check_token_range(ids if valid is None else ids[valid], model.config.vocab_size)
+    except IndexError as err:
+        raise IndexError(f"prompt {err}") from None
     if valid is not None:
         ids = ids.masked_fill(~valid, 0)  # pad ids never reach a real token's output; keep them in range
         valid = valid.to(model.device)
     return ids.to(device=model.device, dtype=torch.long), valid
-
-
-def _stop_set(stop, device) -> torch.Tensor | None:
-    if stop is None:
-        return None
-    ids = [stop] if isinstance(stop, int) else list(stop)
-    if not ids or not all(isinstance(t, int) for t in ids):
-        raise TypeError(f"stop must be an int or a non-empty iterable of ints, got {stop!r}")
-    return torch.tensor(ids, device=device)
 
 
 def _check_len(model: Transformer, prompt_len: int, past: int, max_new_tokens: int) -> None:
@@ -157,55 +107,44 @@ def _check_len(model: Transformer, prompt_len: int, past: int, max_new_tokens: i
 def _loop(
     next_logits: Callable[[torch.Tensor | None], torch.Tensor],
     batch: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-    stop: torch.Tensor | None,
+    params: SamplingParams,
     device: torch.device,
+    sync_every: int = 1,
 ) -> Iterator[torch.Tensor]:
     """Yield ``(B,)`` tokens. ``next_logits(None)`` starts; ``next_logits(tok)`` continues.
 
     A sequence that emits a stop token is finished: it repeats that token
     until every sequence in the batch has finished (as HF pads finished rows).
+    Asking "has every row finished?" reads a value back from the device; it is
+    asked every ``sync_every`` steps (``stream`` asks every step, `generate`
+    rarely, and trims the extra steps afterwards).
     """
+    generator = params.make_generator(device)
+    stops = torch.tensor(params.stop, device=device) if params.stop else None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     fill = torch.zeros(batch, dtype=torch.long, device=device)
     tok = None
-    for _ in range(max_new_tokens):
+    for step in range(params.need_max_new_tokens()):
         with torch.inference_mode():  # scoped per step: a suspended generator must not leak the mode
             logits = next_logits(tok)  # (B, vocab)
-            tok = sample(logits, temperature, top_k, top_p, generator)
+            tok = sample(logits, params, generator=generator)
             tok = torch.where(finished, fill, tok)
         yield tok
-        if stop is not None:
-            just = torch.isin(tok, stop) & ~finished
+        if stops is not None:
+            just = torch.isin(tok, stops) & ~finished
             fill = torch.where(just, tok, fill)
             finished |= just
-            if bool(finished.all()):
+            if (step + 1) % sync_every == 0 and bool(finished.all()):
                 return
 
 
-def _cached_stepper(model: Transformer, ids: torch.Tensor, cache: Cache, valid: torch.Tensor | None):
-    if valid is None:  # no padding: positions follow the cache, no mask needed
+def _cached_stepper(model: Transformer, ids: torch.Tensor, cache: Cache):
+    """Prefill, then one decode step per token; the cache supplies positions and masks."""
 
-        def next_logits(tok):
-            return prefill(model, ids, cache) if tok is None else decode_step(model, tok, cache)
+    def next_logits(tok):
+        return prefill(model, ids, cache) if tok is None else decode_step(model, tok, cache)
 
-        return next_logits
-
-    state = {"valid": valid, "pos": position_ids(valid)}  # (B, S) key mask, (B, T) positions
-
-    def next_logits_padded(tok):
-        if tok is not None:  # one new real token per row: a True key, the next position
-            state["valid"] = torch.cat([state["valid"], torch.ones_like(state["valid"][:, :1])], dim=1)
-            state["pos"] = state["pos"][:, -1:] + 1
-            tok = tok[:, None]
-        x = ids if tok is None else tok
-        return model(x, cache, positions=state["pos"], key_valid=state["valid"], last_only=True)[:, -1]
-
-    return next_logits_padded
+    return next_logits
 
 
 def _naive_stepper(model: Transformer, ids: torch.Tensor, valid: torch.Tensor | None):
@@ -219,7 +158,7 @@ def _naive_stepper(model: Transformer, ids: torch.Tensor, valid: torch.Tensor | 
         full = torch.cat(seq, dim=1)  # (B, T + generated so far)
         if valid is None:
             return model(full, last_only=True)[:, -1]  # recompute every position, every step
-        key_valid = torch.cat(masks, dim=1)
+        key_valid = torch.cat(masks, dim=1)  # no cache to ask: pass positions and padding explicitly
         return model(full, positions=position_ids(key_valid), key_valid=key_valid, last_only=True)[:, -1]
 
     return next_logits
@@ -229,20 +168,28 @@ def _default_cache(model: Transformer, batch: int, max_len: int) -> Cache:
     return StaticCache.for_model(model.config, batch, max_len, dtype=model.dtype, device=model.device)
 
 
+def _trim_finished(toks: torch.Tensor, stop: tuple[int, ...]) -> torch.Tensor:
+    """Cut ``(B, n)`` new tokens after the step at which every row had emitted a stop token."""
+    if not stop or toks.shape[1] == 0:
+        return toks
+    hit = torch.isin(toks, torch.tensor(stop, device=toks.device))  # (B, n)
+    if not bool(hit.any(dim=1).all()):
+        return toks  # some row never stopped: every step was needed
+    first = hit.int().argmax(dim=1)  # (B,) each row's first stop
+    return toks[:, : int(first.max()) + 1]
+
+
 # -- public entry points ------------------------------------------------------------------------
 def stream(
     model: Transformer,
     prompt_ids,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     *,
+    sampling: SamplingParams | None = None,
     cache: Cache | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    stop: int | Iterable[int] | None = None,
     attention_mask: torch.Tensor | None = None,
     pad_id: int = 0,
+    **sampling_kwargs,
 ) -> Iterator:
     """Cached generation that yields each new token as soon as it exists.
 
@@ -251,38 +198,42 @@ def stream(
     are left-padded (see `generate`). ``cache=None`` allocates a `StaticCache`
     of exactly prompt + ``max_new_tokens`` slots; a cache you pass in may
     already hold a conversation, and the prompt is appended after it.
+    How tokens are picked: ``sampling=SamplingParams(...)``, or its fields as
+    keywords (``temperature``, ``top_k``, ``top_p``, ``stop``, ``seed``, ``generator``).
     """
-    _check_sampling(temperature, top_k, top_p)
+    params = sampling_params(sampling, max_new_tokens, **sampling_kwargs)
     ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
-    B, T = ids.shape
-    past = 0 if cache is None else cache.seq_len
-    if valid is not None and past > 0:
-        raise ValueError(f"padded prompts need an empty cache; this one already holds {past} tokens")
-    _check_len(model, T, past, max_new_tokens)
-    stops = _stop_set(stop, ids.device)
-    if cache is None and max_new_tokens > 0:
-        cache = _default_cache(model, B, T + max_new_tokens)
-    # Checks above run at call time; the generator below runs as it is consumed.
-    toks = _loop(_cached_stepper(model, ids, cache, valid), B, max_new_tokens, temperature, top_k, top_p,
-                 generator, stops, ids.device)
+    toks = _stream(model, ids, valid, params, cache, sync_every=1)
     if isinstance(prompt_ids, torch.Tensor) or ids.shape[0] > 1 or valid is not None:
         return toks
     return (int(tok[0]) for tok in toks)
 
 
+def _stream(model, ids: torch.Tensor, valid: torch.Tensor | None, params: SamplingParams, cache, sync_every: int):
+    """The checks (at call time), then the lazy loop."""
+    n_new = params.need_max_new_tokens()
+    B, T = ids.shape
+    past = 0 if cache is None else cache.seq_len
+    if valid is not None and past > 0:
+        raise ValueError(f"padded prompts need an empty cache; this one already holds {past} tokens")
+    _check_len(model, T, past, n_new)
+    if cache is None and n_new > 0:
+        cache = _default_cache(model, B, T + n_new)
+    if valid is not None:
+        cache = PaddedBatch(cache, valid)  # the cache now knows which prompt slots are pads
+    return _loop(_cached_stepper(model, ids, cache), B, params, ids.device, sync_every)
+
+
 def generate(
     model: Transformer,
     prompt_ids,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     *,
+    sampling: SamplingParams | None = None,
     cache: Cache | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    stop: int | Iterable[int] | None = None,
     attention_mask: torch.Tensor | None = None,
     pad_id: int = 0,
+    **sampling_kwargs,
 ) -> torch.Tensor:
     """Prefill once, then one cached decode step per token.
 
@@ -291,28 +242,31 @@ def generate(
     A list of prompts of different lengths is left-padded to ``T`` with
     ``pad_id`` (so every row's new tokens line up at the right); padding keys
     are masked out and each row's positions start at its first real token, so
-    every row gets the tokens it would get alone.
+    every row gets the tokens it would get alone. Sampling as in `stream`.
     """
+    params = sampling_params(sampling, max_new_tokens, **sampling_kwargs)
     ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
-    toks = list(stream(model, ids, max_new_tokens, cache=cache, temperature=temperature, top_k=top_k,
-                       top_p=top_p, generator=generator, stop=stop, attention_mask=valid))
+    toks = list(_stream(model, ids, valid, params, cache, sync_every=16))
+    return _join(ids, valid, pad_id, toks, params)
+
+
+def _join(ids, valid, pad_id, toks, params) -> torch.Tensor:
     ids = ids if valid is None else ids.masked_fill(~valid, pad_id)
-    return torch.cat([ids, torch.stack(toks, dim=1)], dim=1) if toks else ids
+    if not toks:
+        return ids
+    return torch.cat([ids, _trim_finished(torch.stack(toks, dim=1), params.stop)], dim=1)
 
 
 def generate_naive(
     model: Transformer,
     prompt_ids,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     *,
+    sampling: SamplingParams | None = None,
     cache: Cache | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    stop: int | Iterable[int] | None = None,
     attention_mask: torch.Tensor | None = None,
     pad_id: int = 0,
+    **sampling_kwargs,
 ) -> torch.Tensor:
     """Like `generate`, but recompute the whole sequence at every step (no cache).
 
@@ -320,12 +274,10 @@ def generate_naive(
     """
     if cache is not None:
         raise ValueError("generate_naive recomputes everything and uses no cache; pass cache=None")
-    _check_sampling(temperature, top_k, top_p)
+    params = sampling_params(sampling, max_new_tokens, **sampling_kwargs)
+    n_new = params.need_max_new_tokens()
     ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
     B, T = ids.shape
-    _check_len(model, T, 0, max_new_tokens)
-    stops = _stop_set(stop, ids.device)
-    toks = list(_loop(_naive_stepper(model, ids, valid), B, max_new_tokens, temperature, top_k, top_p,
-                      generator, stops, ids.device))
-    ids = ids if valid is None else ids.masked_fill(~valid, pad_id)
-    return torch.cat([ids, torch.stack(toks, dim=1)], dim=1) if toks else ids
+    _check_len(model, T, 0, n_new)
+    toks = list(_loop(_naive_stepper(model, ids, valid), B, params, ids.device, sync_every=16))
+    return _join(ids, valid, pad_id, toks, params)

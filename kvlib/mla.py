@@ -85,18 +85,19 @@ class LatentCache(DynamicCache):
     ``crop``, ``reset``); only the two tensors have different widths.
     """
 
-    def _check(self, layer: int, c: torch.Tensor, kr: torch.Tensor) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < self.n_layer:
-            raise IndexError(f"layer {layer!r} is out of range for a cache of {self.n_layer} layers")
+    def validate_update(self, c: torch.Tensor, kr: torch.Tensor, layer: int) -> None:
+        """Like `Cache.validate_update`, for two tensors of different widths: ``spec`` is
+        ``(batch, d_c, d_rope, dtype, device)``."""
         if not isinstance(c, torch.Tensor) or not isinstance(kr, torch.Tensor):
             raise TypeError(f"c_kv and k_rope must be tensors, got {type(c).__name__} and {type(kr).__name__}")
+        self.check_layer(layer)
         if c.dim() != 4 or kr.dim() != 4 or c.shape[:3] != kr.shape[:3] or c.shape[1] != 1 or c.shape[2] == 0:
             raise ValueError(f"c_kv and k_rope must be (B, 1, T, width) with the same B and T >= 1; "
                              f"got {tuple(c.shape)} and {tuple(kr.shape)}")
-        if self._spec is None:
-            self._spec = (c.shape[0], c.shape[3], kr.shape[3], c.dtype, c.device)
+        if self.spec is None:
+            self.spec = (c.shape[0], c.shape[3], kr.shape[3], c.dtype, c.device)
             return
-        want = self._spec[:3]
+        want = self.spec[:3]
         if (c.shape[0], c.shape[3], kr.shape[3]) != want:
             raise ValueError(f"LatentCache holds (batch, d_c, d_rope)={want}, update(layer={layer}) got "
                              f"{(c.shape[0], c.shape[3], kr.shape[3])}")
@@ -162,7 +163,7 @@ class MLAAttention(nn.Module):
         c_kv = self.kv_norm(c_kv)  # (B, T, d_c)
         k_rope = apply_rope(k_rope, cos, sin)  # (B, T, d_rope): one rotated key for all heads
         if cache is not None:  # cache the latent and the RoPE key; nothing per head
-            c_all, kr_all = cache.update(self.layer, c_kv[:, None], k_rope[:, None])  # (B, 1, S, .)
+            c_all, kr_all = cache.update(c_kv[:, None], k_rope[:, None], self.layer)  # (B, 1, S, .)
             c_kv, k_rope = c_all[:, 0], kr_all[:, 0]  # (B, S, d_c), (B, S, d_rope)
         S = c_kv.shape[1]
         mask = causal_mask(T, S, device=x.device)  # (T, S), bottom-right

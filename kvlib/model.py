@@ -18,9 +18,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import attention, attention_mask
+from .attention import AttentionImpl, attend, attention_mask
 from .cache import Cache
 from .config import ModelConfig
+
+
+def check_token_range(tokens: torch.Tensor, vocab_size: int) -> None:
+    """``IndexError`` naming the first id outside ``[0, vocab_size)``. Reads the values: on a GPU, a sync."""
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise IndexError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
 
 
 class Linear(nn.Module):
@@ -91,7 +98,7 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.n_head * cfg.head_dim, cfg.d_model)
         # "sdpa" (torch's fused kernel), "reference" (kvlib.attention), or your own
         # fn(q, k, v, mask) -> y; see Transformer.set_attention_impl
-        self.impl: str | Callable = "sdpa"
+        self.impl: AttentionImpl = "sdpa"
 
     def forward(
         self,
@@ -109,15 +116,8 @@ class Attention(nn.Module):
         k = qk[:, :, H:].transpose(1, 2)  # (B, H_kv, T, D)
         v = qkv[:, :, H + H_kv :].transpose(1, 2)  # (B, H_kv, T, D)
         if cache is not None:  # NEW: append this step's k, v; attend over everything cached
-            k, v = cache.update(self.layer, k, v)  # (B, H_kv, S, D)
-        if callable(self.impl):
-            y = self.impl(q, k, v, mask)  # (B, H, T, D), a learner's kernel
-        elif self.impl == "reference":
-            y = attention(q, k, v, mask)
-        elif mask is None:  # a decode step, or a fresh unpadded prefill (see Transformer.forward)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=H != H_kv)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != H_kv)
+            k, v = cache.update(k, v, self.layer)  # (B, H_kv, S, D)
+        y = attend(q, k, v, mask, self.impl)  # (B, H, T, D); mask None = plain bottom-right causal
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.wo(y)
 
@@ -215,51 +215,31 @@ class Transformer(nn.Module):
         """Logits ``(B, T, vocab)`` (or ``(B, 1, vocab)`` with ``last_only``).
 
         tokens: ``(B, T)`` int ids, appended after whatever ``cache`` holds.
-        positions: ``(B, T)`` or ``(T,)`` RoPE positions; default ``past + arange(T)``.
+        By default the cache says where they sit and what they may see
+        (``cache.positions(tokens)``, ``cache.mask(tokens)``): right after its
+        contents for a plain cache, per sequence for a `PaddedBatch` or `PagedBatch`.
+        Explicit arguments win, and are checked against the step's shape:
+        positions: ``(B, T)`` or ``(T,)`` RoPE positions.
         key_valid: ``(B, past + T)`` bool, ``False`` on padding keys.
-        mask: ``(B or 1, 1, T, past + T)`` bool, True where a query may attend. It replaces
-            the causal and padding mask, for caches that lay keys out their own way
-            (`kvlib.paged` right-pads sequences of different lengths).
+        mask: ``(B or 1, 1, T, past + T)`` bool, True where a query may attend.
+
+        Token ids are range-checked here only on the CPU, where it costs no device
+        sync; `generate`, `stream` and the paged `Engine` check prompts once, up front.
         """
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
         if tokens.dim() != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens must be (batch, seq) with seq >= 1, got shape {tuple(tokens.shape)}")
-        if tokens.device.type != "meta":  # a meta tensor has shapes but no values: nothing to range-check
-            lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise IndexError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        if tokens.device.type == "cpu":
+            check_token_range(tokens, self.config.vocab_size)
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a kvlib Cache, got {type(cache).__name__}")
         B, T = tokens.shape
         past = 0 if cache is None else cache.seq_len
-        if positions is None:
-            positions = torch.arange(past, past + T, device=tokens.device)
-        if positions.dim() == 1 and positions.shape[0] == T:
-            positions = positions[None].expand(B, T)  # (B, T)
-        if positions.shape != (B, T):
-            raise ValueError(f"positions must be (B, T)=({B}, {T}) or ({T},), got {tuple(positions.shape)}")
         if past + T > self.config.max_seq_len:
             raise ValueError(f"{past} cached + {T} new tokens exceeds max_seq_len={self.config.max_seq_len}")
-
-        # The mask. A fresh unpadded prefill is plain causal and a single-token decode step
-        # may see every key, so both pass mask=None and let SDPA take its fastest path.
-        # Everything else (prefill into a non-empty cache, padding) gets an explicit
-        # bottom-right-aligned mask, unless the caller passed its own.
-        if mask is not None:
-            if key_valid is not None:
-                raise ValueError("pass either mask or key_valid, not both")
-            if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1:] != (1, T, past + T):
-                raise ValueError(
-                    f"mask must be bool ({B} or 1, 1, {T}, {past + T}) for {T} new tokens after {past} cached, "
-                    f"got {mask.dtype} {tuple(mask.shape)}"
-                )
-        elif key_valid is not None or (T > 1 and past > 0) or self.layers[0].attn.impl != "sdpa":
-            mask = attention_mask(T, past + T, key_valid, device=tokens.device)
-            if key_valid is not None:
-                # A query that may see no key at all (a left-pad token) would give NaN; let
-                # such rows see themselves. Real tokens never look at pads, so nothing leaks.
-                q_pos = torch.arange(T, device=tokens.device)[:, None] + past  # (T, 1)
-                mask = mask | (torch.arange(past + T, device=tokens.device)[None, :] == q_pos)
+        positions = self._positions(tokens, cache, positions)
+        mask = self._mask(tokens, cache, past, key_valid, mask)
 
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base, dtype=self.dtype)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): broadcast over heads
@@ -269,6 +249,41 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]  # (B, 1, d_model): generation only needs the next token's logits
         return self.lm_head(self.norm(x))
+
+    @staticmethod
+    def _positions(tokens: torch.Tensor, cache: Cache | None, positions: torch.Tensor | None) -> torch.Tensor:
+        B, T = tokens.shape
+        if positions is None:
+            if cache is not None:
+                return cache.positions(tokens)
+            return torch.arange(T, device=tokens.device).expand(B, T)
+        if positions.dim() == 1 and positions.shape[0] == T:
+            positions = positions[None].expand(B, T)  # (B, T)
+        if positions.shape != (B, T):
+            raise ValueError(f"positions must be (B, T)=({B}, {T}) or ({T},), got {tuple(positions.shape)}")
+        return positions
+
+    @staticmethod
+    def _mask(tokens, cache, past, key_valid, mask) -> torch.Tensor | None:
+        """The step's mask: explicit ``mask``, else from ``key_valid``, else the cache's (None = plain causal)."""
+        B, T = tokens.shape
+        if mask is not None and key_valid is not None:
+            raise ValueError("pass either mask or key_valid, not both")
+        if key_valid is not None:
+            return attention_mask(T, past + T, key_valid, device=tokens.device, pads_see_themselves=True)
+        if mask is None:
+            mask = None if cache is None else cache.mask(tokens)
+            if mask is None:
+                return None
+            origin = f"{type(cache).__name__}.mask()"
+        else:
+            origin = "mask"
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1:] != (1, T, past + T):
+            raise ValueError(
+                f"{origin} must be bool ({B} or 1, 1, {T}, {past + T}) for {T} new tokens after {past} cached, "
+                f"got {mask.dtype} {tuple(mask.shape)}"
+            )
+        return mask
 
     def first_layers(self, n: int) -> "Transformer":
         """A smaller model made of this one's embedding, first ``n`` blocks, final norm and lm_head.

@@ -10,13 +10,17 @@ any real token's output:
 
 With left padding (``side="left"``) every row's last real token is the last
 column, and each decode step appends at the same column for every row: that is
-what `kvlib.generate` does. Right padding works too, but then the last real
-token sits at a different column in each row, and new tokens land after the pads.
+what `kvlib.generate` does, through `PaddedBatch`. Right padding works too, but
+then the last real token sits at a different column in each row, and new tokens
+land after the pads.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .attention import attention_mask
+from .cache import Cache
 
 
 def pad(rows: list[list[int]], pad_id: int = 0, side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,3 +66,63 @@ def last_index(valid: torch.Tensor) -> torch.Tensor:
     T = valid.shape[-1]
     cols = torch.arange(T, device=valid.device).expand_as(valid)  # (B, T)
     return torch.where(valid, cols, -1).amax(dim=-1)
+
+
+class PaddedBatch(Cache):
+    """A cache for a left-padded batch: it remembers which prompt slots are pads.
+
+    Wrap any cache before the prefill: ``batch = PaddedBatch(cache, valid)`` with the
+    prompt's ``valid`` ``(B, T)``. Then ``model(ids, batch)`` and every later
+    ``model(next_tokens, batch)`` get the right positions and mask from the cache
+    itself: pads are masked out as keys, and each row's positions count its real
+    tokens only. Every token after the prompt is real. Storage is the wrapped cache's.
+    """
+
+    def __init__(self, cache: Cache, valid: torch.Tensor) -> None:
+        if not isinstance(cache, Cache):
+            raise TypeError(f"PaddedBatch wraps a kvlib Cache, got {type(cache).__name__}")
+        _check_valid(valid)
+        if cache.seq_len != 0:
+            raise ValueError(f"padded prompts need an empty cache; this one already holds {cache.seq_len} tokens")
+        if not bool(valid.any(dim=-1).all()):
+            raise ValueError(f"rows {(~valid.any(dim=-1)).nonzero().flatten().tolist()} have no real token")
+        super().__init__(cache.n_layer)
+        self.inner, self.valid = cache, valid
+
+    def key_valid(self, n_keys: int) -> torch.Tensor:
+        """``(B, n_keys)`` bool: the prompt's padding, then ``True`` for every later token."""
+        B, T0 = self.valid.shape
+        if n_keys < T0:
+            raise ValueError(f"the padded prompt has {T0} tokens; a step must see at least that many keys, not {n_keys}")
+        return torch.cat([self.valid, self.valid.new_ones(B, n_keys - T0)], dim=1)
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        past, T = self.seq_len, tokens.shape[1]
+        return position_ids(self.key_valid(past + T))[:, past:]  # (B, T)
+
+    def mask(self, tokens: torch.Tensor) -> torch.Tensor:
+        past, T = self.seq_len, tokens.shape[1]
+        return attention_mask(T, past + T, self.key_valid(past + T), device=tokens.device, pads_see_themselves=True)
+
+    # -- storage: the wrapped cache's ------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx):
+        before = self.inner.bytes_written
+        out = self.inner.update(key_states, value_states, layer_idx)
+        self.bytes_written += self.inner.bytes_written - before
+        return out
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.inner.get_seq_length(layer_idx)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def reset(self) -> None:
+        raise NotImplementedError("a PaddedBatch belongs to one padded prompt; reset the wrapped cache and wrap it anew")
+
+    def crop(self, max_length: int) -> None:
+        self.inner.crop(max_length)
+
+    def layer_kv(self, layer_idx: int):
+        return self.inner.layer_kv(layer_idx)

@@ -148,9 +148,9 @@ class CastCache(DynamicCache):
         super().__init__(n_layer)
         self.store_dtype = dtype
 
-    def update(self, layer, k, v):
-        keys, values = super().update(layer, k.to(self.store_dtype), v.to(self.store_dtype))
-        return keys.to(k.dtype), values.to(v.dtype)
+    def update(self, key_states, value_states, layer_idx):
+        keys, values = super().update(key_states.to(self.store_dtype), value_states.to(self.store_dtype), layer_idx)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
 
 
 def _trim(pieces: list[QTensor], n: int) -> int:
@@ -203,7 +203,7 @@ class QuantizedCache(Cache):
         self.qv: list[list[QTensor]] = [[] for _ in range(self.n_layer)]
         self.rk: list[torch.Tensor | None] = [None] * self.n_layer  # (B, H, r, D) full precision
         self.rv: list[torch.Tensor | None] = [None] * self.n_layer
-        self._spec = None
+        self.spec = None
 
     def _q(self, x: torch.Tensor, how: str) -> QTensor:
         if how == "channel":  # one scale per channel, shared by the block's tokens
@@ -217,8 +217,9 @@ class QuantizedCache(Cache):
             return [self._q(t[:, :, i * self.block:(i + 1) * self.block], how) for i in range(n_blocks)]
         return [self._q(t[:, :, : n_blocks * self.block], how)]
 
-    def update(self, layer, k, v):
-        self._check(layer, k, v)
+    def update(self, key_states, value_states, layer_idx):
+        k, v, layer = key_states, value_states, layer_idx
+        self.validate_update(k, v, layer)
         if self.group_size is not None and k.shape[-1] % self.group_size:
             raise ValueError(f"group_size {self.group_size} does not divide head_dim {k.shape[-1]}")
         rk = k if self.rk[layer] is None else torch.cat([self.rk[layer], k], dim=2)
@@ -231,12 +232,17 @@ class QuantizedCache(Cache):
         self.rk[layer], self.rv[layer] = rk, rv
         return self.layer_kv(layer)
 
-    def _quantized_len(self, layer: int) -> int:
+    def quantized_length(self, layer: int = 0) -> int:
+        """Tokens of ``layer`` held quantized; the rest wait in the full-precision residual window."""
         return sum(q.shape[2] for q in self.qk[layer])
 
-    def get_seq_len(self, layer: int = 0) -> int:
-        r = 0 if self.rk[layer] is None else self.rk[layer].shape[2]
-        return self._quantized_len(layer) + r
+    def quantized_blocks(self, layer: int = 0) -> int:
+        """Pieces of quantized keys in ``layer`` (per channel: one per block; per token: one per flush)."""
+        return len(self.qk[layer])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        r = 0 if self.rk[layer_idx] is None else self.rk[layer_idx].shape[2]
+        return self.quantized_length(layer_idx) + r
 
     @property
     def nbytes(self) -> int:
@@ -244,8 +250,8 @@ class QuantizedCache(Cache):
         r = sum(t.nbytes for t in self.rk + self.rv if t is not None)
         return q + r
 
-    def crop(self, n: int) -> None:
-        keep = self._crop_target(n)
+    def crop(self, max_length: int) -> None:
+        keep = self.crop_length(max_length)
         for layer in range(self.n_layer):
             kv = self.layer_kv(layer)
             if kv is None:
@@ -258,7 +264,8 @@ class QuantizedCache(Cache):
             _trim(self.qk[layer], start), _trim(self.qv[layer], start)
             self.rk[layer], self.rv[layer] = keys[:, :, start:keep], values[:, :, start:keep]  # the rest, as floats
 
-    def layer_kv(self, layer):
+    def layer_kv(self, layer_idx):
+        layer = layer_idx
         if self.rk[layer] is None:
             return None
         keys = torch.cat([q.dequantize() for q in self.qk[layer]] + [self.rk[layer]], dim=2)  # (B, H, S, D)

@@ -1,24 +1,50 @@
 import json
+import os
 
+import numpy as np
 import pytest
 import torch
 
 from kvlib import bench
 
 
-def test_timeit_reports_the_median():
-    calls = []
-    t = bench.timeit(lambda: calls.append(1), warmup=2, repeats=5)
-    assert len(calls) == 7 and len(t["all"]) == 5 and min(t["all"]) == t["min"] <= t["median"]
-    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
-        bench.timeit(lambda: None, repeats=0)
+def test_load_average_is_none_where_the_os_has_none(monkeypatch):
+    monkeypatch.delattr(os, "getloadavg", raising=False)  # Windows has no os.getloadavg
+    assert bench.load_average() is None
+    m = bench.machine_info(2)
+    assert m["loadavg_start"] is None
+    assert "n/a at start, n/a at end" in bench.header(m | {"loadavg_end": None})
+
+    def unavailable():
+        raise OSError("load average unobtainable")
+
+    monkeypatch.setattr(os, "getloadavg", unavailable, raising=False)
+    assert bench.load_average() is None
 
 
-def test_matvec_bandwidth_measures_both_layouts():
-    r = bench.matvec_bandwidth(64, 32, count=3, repeats=2)
-    assert set(r) == {"in_out", "out_in"} and all(v > 0 for v in r.values())
-    with pytest.raises(ValueError, match="in_features must be a positive int"):
-        bench.matvec_bandwidth(0, 3)
+def test_header_shows_the_load_average(monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 0.5), raising=False)
+    m = bench.machine_info(2) | {"loadavg_end": bench.load_average()}
+    assert m["loadavg_start"] == 1.5 and "1.50 at start, 1.50 at end" in bench.header(m)
+
+
+def test_json_keeps_ints_as_ints():
+    r = {"bytes": 123, "ms": 1.5, "identical": True, "measured": None, "contexts": (16, 64),
+         "rows": [{"n": 3}], "np": np.int64(7), "t": torch.tensor(2.5)}
+    out = json.loads(json.dumps(bench.json_ready(r)))
+    assert out == {"bytes": 123, "ms": 1.5, "identical": True, "measured": None, "contexts": [16, 64],
+                   "rows": [{"n": 3}], "np": 7, "t": 2.5}
+    assert type(out["bytes"]) is int and type(out["rows"][0]["n"]) is int and type(out["np"]) is int
+    assert type(out["identical"]) is bool and type(out["ms"]) is float
+    assert '"bytes": 123,' in json.dumps(bench.json_ready(r))
+    with pytest.raises(TypeError, match="cannot write"):
+        bench.json_ready({"x": object()})
+
+
+def test_threads_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--threads", "0"])
+    assert "--threads must be a positive int, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.smollm2
@@ -33,3 +59,4 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     r = json.loads(out.read_text())
     assert set(r) >= {"machine", "generation", "decode", "hf", "roofline", "targets"}
     assert all(g["identical"] for g in r["generation"].values()) and r["hf"]["identical"]
+    assert type(r["roofline"][f"decode_ctx{bench.QUICK.contexts[0]}"]["bytes"]) is int  # ints stay ints

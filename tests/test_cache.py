@@ -19,7 +19,7 @@ def fill(cache, chunks):
     for step, T in enumerate(chunks):
         for layer in range(cache.n_layer):
             k, v = kv(T, seed=100 * step + layer)
-            outs = cache.update(layer, k, v)
+            outs = cache.update(k, v, layer)
     return outs
 
 
@@ -47,8 +47,8 @@ def test_update_returns_everything_so_far():
     cache = StaticCache(1, B, H, 8, D)
     k1, v1 = kv(3, seed=1)
     k2, v2 = kv(1, seed=2)
-    cache.update(0, k1, v1)
-    k_all, v_all = cache.update(0, k2, v2)
+    cache.update(k1, v1, 0)
+    k_all, v_all = cache.update(k2, v2, 0)
     assert torch.equal(k_all, torch.cat([k1, k2], dim=2)) and torch.equal(v_all, torch.cat([v1, v2], dim=2))
 
 
@@ -57,7 +57,7 @@ def test_growth_doubles_and_keeps_contents():
     caps = []
     for step in range(9):
         for layer in range(L):
-            cache.update(layer, *kv(1, seed=100 * step + layer))
+            cache.update(*kv(1, seed=100 * step + layer), layer)
         caps.append(cache.capacity)
     assert caps == [2, 2, 4, 4, 8, 8, 8, 8, 16]
     for layer in range(L):
@@ -68,9 +68,9 @@ def test_growth_doubles_and_keeps_contents():
 
 def test_overflow_without_growth_is_a_clear_error():
     cache = StaticCache(1, B, H, 4, D)
-    cache.update(0, *kv(3))
+    cache.update(*kv(3), 0)
     with pytest.raises(IndexError, match=r"3 tokens cached \+ 2 new > max_len=4.*grow=True"):
-        cache.update(0, *kv(2))
+        cache.update(*kv(2), 0)
 
 
 @pytest.mark.parametrize("make", [lambda: DynamicCache(L), lambda: StaticCache(L, B, H, 16, D)])
@@ -87,7 +87,7 @@ def test_crop_and_reset(make):
     assert cache.seq_len == 3
     # appending after a crop continues from the cropped length
     k_new, v_new = kv(1, seed=9)
-    k_all, _ = cache.update(0, k_new, v_new)
+    k_all, _ = cache.update(k_new, v_new, 0)
     assert torch.equal(k_all, torch.cat([reference([5, 2], 0)[0][:, :, :3], k_new], dim=2))
     with pytest.raises(IndexError, match="cannot drop 10 tokens"):
         cache.crop(-10)
@@ -109,7 +109,7 @@ def test_legacy_round_trip(cls):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     # and it keeps working as a cache afterwards (a static one needs room)
     rebuilt = cls.from_legacy(past) if cls is DynamicCache else cls.from_legacy(past, max_len=8)
-    rebuilt.update(0, *kv(1, seed=5))
+    rebuilt.update(*kv(1, seed=5), 0)
     assert rebuilt.get_seq_len(0) == 5
 
 
@@ -126,8 +126,8 @@ def test_nbytes_formula(dtype, nbytes_per):
     dyn = DynamicCache(L)
     sta = StaticCache(L, B, H, max_len, D, dtype=dtype)
     for layer in range(L):
-        dyn.update(layer, *kv(S, dtype=dtype))
-        sta.update(layer, *kv(S, dtype=dtype))
+        dyn.update(*kv(S, dtype=dtype), layer)
+        sta.update(*kv(S, dtype=dtype), layer)
     assert dyn.nbytes == 2 * L * B * H * S * D * nbytes_per  # grows with what is stored
     assert sta.nbytes == 2 * L * B * H * max_len * D * nbytes_per  # the whole reservation
 
@@ -136,45 +136,45 @@ def test_nbytes_formula(dtype, nbytes_per):
 @pytest.fixture(params=["dynamic", "static"])
 def filled(request):
     cache = DynamicCache(L) if request.param == "dynamic" else StaticCache(L, B, H, 16, D)
-    cache.update(0, *kv(2))
+    cache.update(*kv(2), 0)
     return cache
 
 
 def test_mismatched_batch(filled):
     with pytest.raises(ValueError, match="batch=2 but update\\(layer=1\\) got batch=3"):
-        filled.update(1, *kv(1, b=3))
+        filled.update(*kv(1, b=3), 1)
 
 
 def test_mismatched_heads(filled):
     with pytest.raises(ValueError, match="kv_heads=2 but update\\(layer=0\\) got kv_heads=4"):
-        filled.update(0, *kv(1, h=4))
+        filled.update(*kv(1, h=4), 0)
 
 
 def test_mismatched_head_dim(filled):
     with pytest.raises(ValueError, match="head_dim=4 but update\\(layer=0\\) got head_dim=8"):
-        filled.update(0, *kv(1, d=8))
+        filled.update(*kv(1, d=8), 0)
 
 
 def test_mismatched_dtype(filled):
     with pytest.raises(TypeError, match="holds torch.float32 but update\\(layer=0\\) got torch.float16"):
-        filled.update(0, *kv(1, dtype=torch.float16))
+        filled.update(*kv(1, dtype=torch.float16), 0)
 
 
 def test_mismatched_device(filled):
     k, v = kv(1)
     with pytest.raises(TypeError, match="lives on cpu but update\\(layer=0\\) got a tensor on meta"):
-        filled.update(0, k.to("meta"), v.to("meta"))
+        filled.update(k.to("meta"), v.to("meta"), 0)
 
 
 def test_k_and_v_shapes_must_agree(filled):
     k, _ = kv(1)
     with pytest.raises(ValueError, match="k and v must both be"):
-        filled.update(0, k, torch.randn(B, H, 2, D))
+        filled.update(k, torch.randn(B, H, 2, D), 0)
 
 
 def test_layer_out_of_range(filled):
     with pytest.raises(IndexError, match="layer 3 is out of range for a cache of 3 layers"):
-        filled.update(3, *kv(1))
+        filled.update(*kv(1), 3)
 
 
 def test_bad_static_sizes():

@@ -22,8 +22,8 @@ def test_kvlib_caches_pass_every_property(name, prop):
 class ForgetsOldTokens(DynamicCache):
     """Keeps only the newest chunk: the classic 'k, v = k_new, v_new' bug."""
 
-    def update(self, layer, k, v):
-        self._check(layer, k, v)
+    def update(self, k, v, layer):
+        self.validate_update(k, v, layer)
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
@@ -31,11 +31,11 @@ class ForgetsOldTokens(DynamicCache):
 class SharedLayers(DynamicCache):
     """Stores every layer in one slot (forgot to index by layer)."""
 
-    def update(self, layer, k, v):
-        return super().update(0, k, v) if layer == 0 else super().update(0, k, v)
+    def update(self, k, v, layer):
+        return super().update(k, v, 0) if layer == 0 else super().update(k, v, 0)
 
-    def get_seq_len(self, layer=0):
-        return super().get_seq_len(0)
+    def get_seq_length(self, layer=0):
+        return super().get_seq_length(0)
 
     def layer_kv(self, layer):
         return super().layer_kv(0)
@@ -49,10 +49,10 @@ class CropIgnored(StaticCache):
 class NoChecks(StaticCache):
     """Writes whatever it is given, like seed 003's cache with a larger buffer batch."""
 
-    def _check(self, layer, k, v):
+    def validate_update(self, k, v, layer):
         pass
 
-    def update(self, layer, k, v):
+    def update(self, k, v, layer):
         start, end = self.lengths[layer], self.lengths[layer] + k.shape[2]
         self.keys[layer][: k.shape[0], :, start:end] = k
         self.values[layer][: k.shape[0], :, start:end] = v
@@ -94,7 +94,7 @@ def test_bytes_written_tells_the_three_policies_apart():
     for t in range(n):
         k = torch.randn(1, 2, 1, 4)
         for c in caches.values():
-            c.update(0, k, k)
+            c.update(k, k, 0)
     assert caches["cat"].bytes_written == row * n * (n + 1) // 2  # 1 + 2 + ... + n tokens copied
     assert caches["prealloc"].bytes_written == row * n
     assert row * n < caches["doubling"].bytes_written < 2 * row * n  # new tokens + (1 + 2 + 4 + ... + n/2)

@@ -1,33 +1,21 @@
 import pytest
-import torch
 
-from kvlib import PRESETS, ModelConfig, StaticCache, Transformer, cost
-
-
-@pytest.mark.parametrize("name", ["tiny", "smollm2-135m", "llama-3-8b"])
-def test_param_count_equals_a_real_model(name):
-    model = Transformer(PRESETS[name], device="meta")  # shapes only, no memory
-    assert cost.param_count(PRESETS[name]) == sum(p.numel() for p in model.parameters())
-
-
-def test_llama2_7b_parameter_count_is_the_published_6_74b():
-    # Touvron et al. 2023 / the HF checkpoint: 6,738,415,616 parameters (untied, vocab 32000).
-    assert cost.param_count(PRESETS["llama-2-7b"]) == 6_738_415_616
-
-
-def test_kv_bytes_is_the_formula():
-    c = PRESETS["llama-2-7b"]
-    assert cost.kv_bytes(c, 2048, dtype_bytes=2) == 2 * 32 * 1 * 32 * 2048 * 128 * 2 == 2**30  # 1 GiB
-    cache = StaticCache.for_model(PRESETS["tiny"], 3, 10)
-    assert cost.kv_bytes(PRESETS["tiny"], 10, dtype_bytes=4, batch=3) == cache.nbytes
+from kvlib import PRESETS, ModelConfig, Transformer, cost, memory
 
 
 def test_decode_bytes_are_all_weights_plus_the_cache():
     c = PRESETS["tiny"].replace(tie_embeddings=True)
     model = Transformer(c, device="meta")
     weights = sum(p.numel() for p in model.parameters()) * 4
-    assert cost.decode_bytes_per_token(c, 0) == weights + cost.kv_bytes(c, 1)
-    assert cost.decode_bytes_per_token(c, 100) - cost.decode_bytes_per_token(c, 0) == cost.kv_bytes(c, 100)
+    assert cost.decode_bytes_per_token(c, 0) == weights + memory.kv_cache_bytes(c, 1, dtype="fp32")
+    assert cost.decode_bytes_per_token(c, 100) - cost.decode_bytes_per_token(c, 0) == memory.kv_cache_bytes(
+        c, 100, dtype="fp32")
+
+
+def test_decode_bytes_take_a_dtype_name_or_a_byte_count():
+    c = PRESETS["smollm2-135m"]
+    assert cost.decode_bytes_per_token(c, 50, "fp32") == cost.decode_bytes_per_token(c, 50, 4)
+    assert cost.decode_bytes_per_token(c, 50, "fp32") == 2 * cost.decode_bytes_per_token(c, 50, "fp16")
 
 
 def brute_force_flops(c: ModelConfig, prompt: int, new: int, naive: bool) -> int:
@@ -59,6 +47,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="context must be an int >= 0"):
         cost.decode_bytes_per_token(PRESETS["tiny"], -1)
     with pytest.raises(TypeError, match="config must be a ModelConfig"):
-        cost.kv_bytes({"n_layer": 2}, 3)
+        memory.kv_cache_bytes({"n_layer": 2}, 3)
     with pytest.raises(ValueError, match="Llama-family"):
-        cost.layer_matrix_params(PRESETS["gpt2"])
+        memory.layer_matrix_params(PRESETS["gpt2"])
+    with pytest.raises(TypeError, match="config must be a ModelConfig"):
+        cost.flops_per_token({"n_layer": 2}, 3)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        cost.decode_bytes_per_token(PRESETS["tiny"], 1, "fp12")

@@ -157,6 +157,6 @@ def test_mla_bad_input():
         m(torch.randn(1, 3, 9))
     cache = LatentCache(1)
     with pytest.raises(ValueError, match="same B and T"):
-        cache.update(0, torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 2))
+        cache.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 2), 0)
     with pytest.raises(IndexError, match="out of range"):
-        cache.update(1, torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 2))
+        cache.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 2), 1)

@@ -1,9 +1,8 @@
-import numpy as np
 import pytest
 import torch
 
 import kvlib
-from kvlib import PRESETS, StaticCache, Transformer, cost, memory
+from kvlib import PRESETS, StaticCache, Transformer, memory
 
 GiB = 2**30
 
@@ -42,13 +41,49 @@ def test_formula_equals_smollm2_cache_after_generation(smollm2):
     assert cache.nbytes == memory.kv_cache_bytes(model.config, len(ids) + 4, 1, "fp32")
 
 
+@pytest.mark.parametrize("name", ["tiny", "smollm2-135m", "llama-3-8b"])
+def test_param_count_equals_a_real_model(name):
+    model = Transformer(PRESETS[name], device="meta")  # shapes only, no memory
+    assert memory.param_count(PRESETS[name]) == sum(p.numel() for p in model.parameters())
+
+
+def test_llama2_7b_parameter_count_is_the_published_6_74b():
+    # Touvron et al. 2023 / the HF checkpoint: 6,738,415,616 parameters (untied, vocab 32000).
+    assert memory.param_count(PRESETS["llama-2-7b"]) == 6_738_415_616
+
+
+def test_kv_cache_bytes_is_the_formula():
+    c = PRESETS["llama-2-7b"]
+    assert memory.kv_cache_bytes(c, 2048, dtype=2) == 2 * 32 * 1 * 32 * 2048 * 128 * 2 == 2**30  # 1 GiB
+    cache = StaticCache.for_model(PRESETS["tiny"], 3, 10)
+    assert memory.kv_cache_bytes(PRESETS["tiny"], 10, batch=3, dtype=4) == cache.nbytes
+
+
+def test_dtype_bytes_takes_a_name_or_a_byte_count():
+    assert [memory.dtype_bytes(d) for d in ("fp32", "fp16", "bf16", "fp8", "int8", 3)] == [4, 2, 2, 1, 1, 3]
+    assert memory.kv_cache_bytes(PRESETS["gpt2"], 10, 2, "fp16") == memory.kv_cache_bytes(PRESETS["gpt2"], 10, 2, 2)
+    for bad in ("fp12", 0, -2, True, 2.0, None, ["fp16"]):
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            memory.dtype_bytes(bad)
+
+
+def test_kv_cache_bytes_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
+        memory.kv_cache_bytes(PRESETS["gpt2"], -1)
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        memory.kv_cache_bytes(PRESETS["gpt2"], 10, 0)
+    with pytest.raises(TypeError, match="config must be a ModelConfig"):
+        memory.param_count("llama-2-7b")
+    assert memory.kv_cache_bytes(PRESETS["gpt2"], 0) == 0  # an empty cache is allowed
+
+
 def test_published_parameter_counts():
     # independent figures: HF model cards / papers
-    assert cost.param_count(PRESETS["gpt2"]) == 124_439_808
-    assert cost.param_count(PRESETS["llama-2-7b"]) == 6_738_415_616
-    assert cost.param_count(PRESETS["llama-3-8b"]) == 8_030_261_248
-    assert cost.param_count(PRESETS["llama-3-70b"]) == 70_553_706_496
-    assert cost.param_count(PRESETS["mistral-7b"]) == 7_241_732_096
+    assert memory.param_count(PRESETS["gpt2"]) == 124_439_808
+    assert memory.param_count(PRESETS["llama-2-7b"]) == 6_738_415_616
+    assert memory.param_count(PRESETS["llama-3-8b"]) == 8_030_261_248
+    assert memory.param_count(PRESETS["llama-3-70b"]) == 70_553_706_496
+    assert memory.param_count(PRESETS["mistral-7b"]) == 7_241_732_096
 
 
 def test_what_fits_on_an_80_gib_gpu():
@@ -73,7 +108,7 @@ def test_table_rows_and_bad_input():
 
 def test_param_count_matches_a_built_model():
     cfg = PRESETS["mistral-7b"]
-    assert cost.param_count(cfg) == sum(p.numel() for p in Transformer(cfg, device="meta").parameters())
+    assert memory.param_count(cfg) == sum(p.numel() for p in Transformer(cfg, device="meta").parameters())
 
 
 def test_vllm_papers_opt_13b_figures():
@@ -93,104 +128,3 @@ def test_gqa_papers_kv_head_counts_shrink_the_cache_by_the_group():
     l70 = PRESETS["llama-3-70b"]
     mha = l70.replace(n_kv_head=l70.n_head)
     assert memory.kv_bytes_per_token(mha) == 8 * memory.kv_bytes_per_token(l70)
-
-
-# -- the fragmentation simulator -------------------------------------------------------------------
-def test_simulate_by_hand():
-    """Two requests of 2 + 2 tokens hold 8-slot reservations in a 16-slot pool while a third
-    waits. Step 0: 2 tokens each held, 2 more to come, 4 never used; step 1: 3, 1, 4.
-    Averaged over those two saturated steps: token states 5/16, reserved 3/16, internal 8/16."""
-    trace = [memory.TraceRequest(2, 2)] * 3
-    r = memory.simulate(trace, "max", memory_slots=16, max_len=8)
-    assert r.saturated_steps == 2
-    assert r.fractions == {"token states": 5 / 16, "reserved": 3 / 16, "internal fragmentation": 8 / 16,
-                           "external fragmentation": 0.0, "free": 0.0}
-    assert r.waste == pytest.approx(11 / 16)
-    assert r.mean_batch == 2 and r.steps == 4
-
-
-def test_external_fragmentation_by_hand():
-    """Oracle reservations of 3, 3 and 2 slots fill 8 of 10 slots. The next request needs 4
-    contiguous slots, so the 2 free slots at the end are unusable: external fragmentation.
-    After one step the 2-slot request finishes, its gap joins them, and the waiter fits."""
-    trace = [memory.TraceRequest(1, 2), memory.TraceRequest(1, 2), memory.TraceRequest(1, 1), memory.TraceRequest(2, 2)]
-    r = memory.simulate(trace, "oracle", memory_slots=10, max_len=8)
-    # step 0: the first three are admitted (slots 0-2, 3-5, 6-7); gap 8-9 (2 slots) < 4 needed
-    m = r.memory_map
-    assert r.snapshot_step == 0
-    assert (m[8:] == memory.EXTERNAL).all() and (m[:8] != memory.EXTERNAL).all()
-    assert r.saturated_steps == 1 and r.fractions["external fragmentation"] == pytest.approx(2 / 10)
-
-
-def test_a_pool_that_never_fills_is_averaged_over_every_step():
-    trace = [memory.TraceRequest(2, 2)] * 2  # both fit at once: nobody ever waits
-    r = memory.simulate(trace, "max", memory_slots=16, max_len=8)
-    assert r.saturated_steps == 0 and r.steps == 2
-    assert r.fractions["token states"] == pytest.approx((4 + 6) / 2 / 16) and r.fractions["free"] == 0
-    assert r.mean_batch == 2
-
-
-def test_paging_with_one_slot_blocks_wastes_nothing():
-    trace = memory.request_trace(60, seed=1, max_len=512)
-    r = memory.simulate(trace, "paged", memory_slots=4096, max_len=512, block_size=1)
-    assert r.fractions["reserved"] == r.fractions["internal fragmentation"] == r.fractions["external fragmentation"] == 0
-    assert r.waste == 0
-
-
-@pytest.mark.parametrize("policy", memory.POLICIES)
-def test_simulate_accounts_for_every_slot(policy):
-    trace = memory.request_trace(80, seed=2, max_len=512)
-    r = memory.simulate(trace, policy, memory_slots=4096, max_len=512, block_size=16)
-    assert sum(r.fractions.values()) == pytest.approx(1.0)
-    assert all(v >= 0 for v in r.fractions.values())
-    assert r.memory_map.shape == (4096,) and set(np.unique(r.memory_map)) <= set(range(5))
-    if policy == "oracle":
-        assert r.fractions["internal fragmentation"] == 0  # it reserves exactly what each request will use
-    if policy in ("max", "paged"):
-        assert r.fractions["external fragmentation"] == 0  # equal-size reservations / blocks always fit
-    if policy == "paged":
-        # the last block of each request is the only slack: under one block per running request
-        slack = r.fractions["reserved"] + r.fractions["internal fragmentation"]
-        assert slack * 4096 < r.peak_batch * 16
-
-
-def test_paging_beats_max_reservation_on_a_chat_trace():
-    trace = memory.request_trace(150, seed=0)
-    contiguous = memory.simulate(trace, "max", memory_slots=16384)
-    paged = memory.simulate(trace, "paged", memory_slots=16384, block_size=16)
-    assert contiguous.waste > 0.6 and paged.waste < 0.04
-    assert paged.mean_batch > 2 * contiguous.mean_batch
-
-
-def test_a_watermark_trades_batch_size_for_fewer_preemptions():
-    trace = memory.request_trace(150, seed=0)
-    greedy = memory.simulate(trace, "paged", memory_slots=16384, watermark=0.0)
-    careful = memory.simulate(trace, "paged", memory_slots=16384, watermark=0.2)
-    assert greedy.preemptions > careful.preemptions and greedy.mean_batch > careful.mean_batch
-    with pytest.raises(ValueError, match="watermark must lie in"):
-        memory.simulate(trace, "paged", memory_slots=16384, watermark=1.0)
-
-
-def test_request_trace():
-    a = memory.request_trace(2000, seed=3, max_len=1024)
-    assert a == memory.request_trace(2000, seed=3, max_len=1024)
-    assert all(r.prompt >= 1 and r.output >= 1 and r.total <= 1024 for r in a)
-    assert np.median([r.prompt for r in a]) == pytest.approx(160, rel=0.1)  # the stated median
-
-
-def test_simulate_rejects_bad_input():
-    trace = [memory.TraceRequest(10, 10)]
-    with pytest.raises(ValueError, match="policy must be one of"):
-        memory.simulate(trace, "best", memory_slots=64)
-    with pytest.raises(ValueError, match="exceed max_len=16"):
-        memory.simulate(trace, "max", memory_slots=64, max_len=16)
-    with pytest.raises(ValueError, match="needs 2048 slots but the pool has 64"):
-        memory.simulate(trace, "max", memory_slots=64)
-    with pytest.raises(ValueError, match="empty"):
-        memory.simulate([], "max", memory_slots=64)
-    with pytest.raises(ValueError, match="block_size must be a positive int"):
-        memory.simulate(trace, "paged", memory_slots=64, block_size=0)
-    with pytest.raises(ValueError, match="contiguous policy"):
-        memory.reservation("paged", trace[0], 64)
-    with pytest.raises(ValueError, match="n must be a positive int"):
-        memory.request_trace(0)

@@ -11,18 +11,36 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib import DynamicCache, ModelConfig, Transformer
 from kvlib.attention import attention_mask, grouped_attention
-from kvlib.paged import (
-    BlockAllocator,
-    Engine,
-    OutOfBlocks,
-    PagedCache,
-    gather,
-    paged_attention,
-    slot_mapping,
-)
+from kvlib.blocks import BlockAllocator, OutOfBlocks
+from kvlib.engine import Engine
+from kvlib.paged import PagedCache, gather, slot_mapping
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+def paged_attention(  # the reference for paged reads: no chapter teaches with it, so it lives here
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    """Attention for ``q`` ``(B, H, T, D)``, the last ``T`` tokens of each sequence, over paged K/V.
+
+    Sequence ``b`` holds ``lengths[b]`` keys (its ``T`` new ones included), so its query
+    ``t`` sees keys ``0 .. lengths[b] - T + t``: bottom-right causal, per sequence.
+    """
+    B, _, T, _ = q.shape
+    if lengths.shape != (B,) or block_tables.shape[0] != B:
+        raise ValueError(f"q has batch {B} but lengths is {tuple(lengths.shape)} and block_tables {tuple(block_tables.shape)}")
+    if bool((lengths < T).any()):
+        raise ValueError(f"every sequence must hold at least the T={T} new tokens, got lengths {lengths.tolist()}")
+    S = int(lengths.max())
+    k, v = gather(k_pool, block_tables, S), gather(v_pool, block_tables, S)  # (B, H_kv, S, D)
+    last = (lengths - T)[:, None] + torch.arange(T, device=q.device)  # (B, T): position of each query
+    mask = torch.arange(S, device=q.device) <= last[..., None]  # (B, T, S)
+    return grouped_attention(q, k, v, mask[:, None])  # mask (B, 1, T, S)
+
+
 def prefix_values(tokens: list[int]) -> list[float]:
     """Stand-in K for a token: a function of the token and everything before it, like a real
     model's keys. Values stay below 2**16, so float32 holds them exactly."""
@@ -35,20 +53,20 @@ def prefix_values(tokens: list[int]) -> list[float]:
 
 def append(cache: PagedCache, sid: int, new: list[int]) -> None:
     """Append ``new`` tokens to one sequence through the Cache protocol (no model)."""
-    batch = cache.step([sid], [new])
     vals = prefix_values(cache.tokens(sid) + new)[-len(new):]
     k = torch.tensor(vals).view(1, 1, len(new), 1).expand(1, cache.n_kv_head, len(new), cache.head_dim)
-    for layer in range(cache.n_layer):
-        batch.update(layer, k.contiguous(), -k.contiguous())
+    with cache.step([sid], [new]) as batch:
+        for layer in range(cache.n_layer):
+            batch.update(k.contiguous(), -k.contiguous(), layer)
 
 
 def append_many(cache: PagedCache, sids: list[int], new: list[int]) -> None:
     """One step that appends one token to each of several sequences."""
-    batch = cache.step(sids, [[t] for t in new])
     vals = [prefix_values(cache.tokens(s) + [t])[-1] for s, t in zip(sids, new)]
     k = torch.tensor(vals).view(-1, 1, 1, 1).expand(len(sids), cache.n_kv_head, 1, cache.head_dim).contiguous()
-    for layer in range(cache.n_layer):
-        batch.update(layer, k, -k)
+    with cache.step(sids, [[t] for t in new]) as batch:
+        for layer in range(cache.n_layer):
+            batch.update(k, -k, layer)
 
 
 def assert_holds(cache: PagedCache, sid: int) -> None:
@@ -155,13 +173,14 @@ def test_paged_equals_contiguous(block_size, lengths, chunk, seed):
     # scramble the free list so block tables are not 0, 1, 2, ...
     order = list(range(num_blocks))
     random.Random(seed).shuffle(order)
-    cache.allocator._free = type(cache.allocator._free).fromkeys(order)
+    cache.allocator.reorder_free(order)
     ref = [torch.randn(1, H, n, D, generator=g) for n in lengths]
     sids = [cache.add()[0] for _ in lengths]
     for sid, kv, n in zip(sids, ref, lengths):
         for s in range(0, n, chunk):
             piece = kv[:, :, s : s + chunk]
-            cache.step([sid], [[0] * piece.shape[2]]).update(0, piece, 2 * piece)
+            with cache.step([sid], [[0] * piece.shape[2]]) as batch:
+                batch.update(piece, 2 * piece, 0)
     for sid, kv in zip(sids, ref):
         k, v = cache.layer_kv(sid, 0)
         assert torch.equal(k, kv) and torch.equal(v, 2 * kv)
@@ -444,10 +463,10 @@ def test_fully_cached_prompt_with_one_token_blocks_copies_the_sealed_block():
 
 
 def test_an_unfinished_step_then_fork_shares_nothing_unwritten():
-    """A step whose forward never ran leaves a reserved block; a fork must not share it."""
+    """A step whose forward never ran reserves nothing; a fork shares only written blocks."""
     cache = PagedCache(1, 1, 1, num_blocks=8, block_size=4, prefix_caching=False)
     a = start(cache, [1, 2, 3, 4])
-    cache.step([a], [[5]])  # reserves block 2 for token 4; the forward "fails" before update
+    cache.step([a], [[5]])  # the forward "fails" before update: the batch is dropped by the next change
     b = cache.fork(a)
     assert len(cache.block_table(b)) == 1
     append(cache, a, [5])
@@ -463,20 +482,61 @@ def test_a_stale_batch_refuses_to_write():
     stale = cache.step([a], [[4]])
     other = start(cache, [9])  # the tables changed after `stale` was made
     with pytest.raises(ValueError, match="stale"):
-        stale.update(0, torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1))
+        stale.update(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1), 0)
     cache.free(a)
     assert_holds(cache, other)
     cache.check()
 
 
-def test_a_step_commits_only_when_every_layer_is_written():
+def test_a_step_commits_only_when_every_layer_is_written_and_commit_is_called():
     cache = PagedCache(2, 1, 1, num_blocks=4, block_size=2)
     a, _ = cache.add()
     batch = cache.step([a], [[1, 2]])
-    batch.update(1, torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1))  # the last layer first
-    assert cache.seq_len(a) == 0 and not cache.allocator.is_sealed(cache.block_table(a)[0])
-    batch.update(0, torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1))
+    batch.update(torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1), 1)  # the last layer first
+    with pytest.raises(ValueError, match=r"layers \[0\] were never written"):
+        batch.commit()
+    assert cache.seq_len(a) == 0 and cache.block_table(a) == [] and cache.allocator.num_used == 0
+    batch.update(torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1), 0)
+    assert cache.seq_len(a) == 0 and cache.allocator.num_used == 0  # every layer ran, nothing stored yet
+    with pytest.raises(ValueError, match="never committed"):
+        cache.fork(a)  # a finished but uncommitted step is not silently lost
+    batch.commit()
     assert cache.seq_len(a) == 2 and cache.allocator.is_sealed(cache.block_table(a)[0])
+    with pytest.raises(ValueError, match="already committed"):
+        batch.commit()
+
+
+def test_a_forward_that_raises_halfway_leaves_the_cache_as_it_was(tiny):
+    """The model fails in its second layer, inside the step's `with` block: no block is
+    reserved or copied, nothing is written or sealed, and the next step works."""
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    a, _ = cache.add()
+    with cache.step([a], torch.tensor([[1, 2, 3, 4, 5, 6]])) as batch:
+        tiny(torch.tensor([[1, 2, 3, 4, 5, 6]]), batch)
+    b = cache.fork(a)  # shares a partial block: the next write to it must copy
+    before = ([cache.block_table(s) for s in (a, b)], cache.allocator.free_order(), cache.copies,
+              [cache.layer_kv(a, layer) for layer in range(2)], cache.allocator.hits, cache.version)
+    pools = [t.clone() for t in cache.k + cache.v]
+    real = tiny.layers[1].forward
+    tiny.layers[1].forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("layer 1 failed"))
+    try:
+        with pytest.raises(RuntimeError, match="layer 1 failed"):
+            with cache.step([a, b], torch.tensor([[7, 8, 9], [7, 8, 9]])) as batch:
+                tiny(torch.tensor([[7, 8, 9], [7, 8, 9]]), batch)
+    finally:
+        tiny.layers[1].forward = real
+    after = ([cache.block_table(s) for s in (a, b)], cache.allocator.free_order(), cache.copies,
+             [cache.layer_kv(a, layer) for layer in range(2)], cache.allocator.hits, cache.version)
+    assert after[:3] == before[:3] and after[4:] == before[4:]
+    for (k0, v0), (k1, v1) in zip(before[3], after[3]):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert all(torch.equal(p, q) for p, q in zip(pools, cache.k + cache.v))  # not one byte written
+    cache.check()
+    with cache.step([a], torch.tensor([[7]])) as batch:  # and the cache works on
+        got = tiny(torch.tensor([[7]]), batch)[0, -1]
+    ref = DynamicCache(2)
+    tiny(torch.tensor([[1, 2, 3, 4, 5, 6]]), ref)
+    torch.testing.assert_close(got, tiny(torch.tensor([[7]]), ref)[0, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_duplicate_prefix_blocks_stay_findable_after_one_is_evicted():
@@ -514,14 +574,14 @@ def test_bad_inputs_to_the_cache():
         cache.step([a], [[1.5]])
     batch = cache.step([a], [[4]])
     with pytest.raises(ValueError, match="reserved 1 tokens per sequence but update got 2"):
-        batch.update(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+        batch.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), 0)
     with pytest.raises(ValueError, match="kv_heads=1 but update"):
-        batch.update(0, torch.zeros(1, 3, 1, 2), torch.zeros(1, 3, 1, 2))
+        batch.update(torch.zeros(1, 3, 1, 2), torch.zeros(1, 3, 1, 2), 0)
     with pytest.raises(IndexError, match="out of range"):
-        batch.update(5, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
-    batch.update(0, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+        batch.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 5)
+    batch.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 0)
     with pytest.raises(ValueError, match="layer 0 was already written"):
-        batch.update(0, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+        batch.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 0)
     with pytest.raises(ValueError, match="positive int"):
         PagedCache(2, 1, 2, num_blocks=0)
     with pytest.raises(TypeError, match="dtype"):
@@ -572,24 +632,34 @@ def test_paged_batch_logits_equal_contiguous_cache(tiny):
     sids, refs = [], []
     for p in prompts:
         sid, _ = cache.add(p[0].tolist())
-        b = cache.step([sid], p)
-        got = tiny(p, b, positions=b.positions(), mask=b.mask())
+        with cache.step([sid], p) as b:
+            got = tiny(p, b)  # the batch supplies positions and mask
         ref_cache = DynamicCache(2)
         torch.testing.assert_close(got, tiny(p, ref_cache), rtol=1e-5, atol=1e-5)
         sids.append(sid)
         refs.append(ref_cache)
     for step in range(3):
         new = torch.randint(0, 50, (3, 1), generator=g)
-        b = cache.step(sids, new)
-        got = tiny(new, b, positions=b.positions(), mask=b.mask())[:, -1]  # (3, vocab)
+        with cache.step(sids, new) as b:  # ragged: 3, 9 and 6 tokens held, T = 1
+            got = tiny(new, b)[:, -1]  # (3, vocab), no positions= or mask= needed
         for i, rc in enumerate(refs):
             torch.testing.assert_close(got[i], tiny(new[i : i + 1], rc)[0, -1], rtol=1e-5, atol=1e-5)
     # a ragged multi-token step: two new tokens each after different lengths
     new = torch.randint(0, 50, (3, 2), generator=g)
-    b = cache.step(sids, new)
-    got = tiny(new, b, positions=b.positions(), mask=b.mask())
+    with cache.step(sids, new) as b:
+        got = tiny(new, b)
     for i, rc in enumerate(refs):
         torch.testing.assert_close(got[i], tiny(new[i : i + 1], rc)[0], rtol=1e-5, atol=1e-5)
+    # explicit arguments still win, and are checked against the step's shape
+    new = torch.randint(0, 50, (3, 1), generator=g)
+    with cache.step(sids, new) as b:
+        got = tiny(new, b, positions=b.positions(), mask=b.mask())[:, -1]
+    for i, rc in enumerate(refs):
+        torch.testing.assert_close(got[i], tiny(new[i : i + 1], rc)[0, -1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"mask must be bool \(3 or 1, 1, 1, 16\)"):
+        tiny(new, cache.step(sids, new), mask=torch.ones(3, 1, 1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"positions must be \(B, T\)=\(3, 1\)"):
+        tiny(new, cache.step(sids, new), positions=torch.zeros(2, 1, dtype=torch.long))
     cache.check()
 
 
@@ -608,9 +678,9 @@ def test_engine_tokens_equal_generate(tiny, block_size, num_blocks):
         eng.add(p, 12)
     out = eng.run()
     assert [out[i][0] for i in range(len(prompts))] == ref
-    assert eng.stats["peak_batch"] >= 2  # sequences of different lengths really shared a step
+    assert eng.stats.peak_batch >= 2  # sequences of different lengths really shared a step
     if num_blocks == "tight":
-        assert eng.stats["preemptions"] > 0
+        assert eng.stats.preemptions > 0
     assert cache.allocator.num_used == 0 and not cache.seqs
     cache.check()
 
@@ -620,7 +690,7 @@ def test_engine_parallel_sampling_shares_the_prompt(tiny):
     cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
     eng = Engine(tiny, cache, generator=torch.Generator().manual_seed(0))
     eng.add(prompt, 6, n=4, temperature=1.0)
-    eng._admit()  # prefill once and fork
+    eng.prefill()  # prefill once and fork
     assert len(cache.seqs) == 4 and cache.allocator.num_used == 8  # one copy of the prompt for four samples
     eng.run()
     outs = eng.requests[0].outputs
@@ -646,7 +716,7 @@ def test_engine_reuses_a_shared_system_prompt(tiny):
     for q in ([40, 41], [42, 43, 44], [45]):
         eng.add(system + q, 4)
     out = eng.run()
-    assert eng.stats["cached_tokens"] == 2 * 32  # the second and third requests skip the system prompt
+    assert eng.stats.cached_tokens == 2 * 32  # the second and third requests skip the system prompt
     for i, q in enumerate(([40, 41], [42, 43, 44], [45])):
         ids = torch.tensor([system + q])
         assert out[i][0] == kvlib.generate(tiny, ids, max_new_tokens=4)[0, ids.shape[1]:].tolist()
@@ -663,7 +733,7 @@ def test_engine_requeues_a_request_whose_prefill_fails(tiny):
             eng.step()
     finally:
         del tiny.forward  # back to the class's forward
-    assert len(eng.waiting) == 1 and not cache.seqs and cache.allocator.num_used == 0
+    assert len(eng.scheduler.waiting) == 1 and not cache.seqs and cache.allocator.num_used == 0
     ref = kvlib.generate(tiny, torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=3)[0, 5:].tolist()
     assert eng.run()[0][0] == ref
 
@@ -686,7 +756,7 @@ def test_engine_sampling_under_preemption_and_stop_tokens(tiny):
         for req in eng.requests.values():
             assert all(req.done) and all(1 <= len(o) <= 8 for o in req.outputs)
             assert all(len(o) == 8 or o[-1] in (0, 1) for o in req.outputs)
-        assert cache.allocator.num_used == 0 and eng.stats["preemptions"] > 0
+        assert cache.allocator.num_used == 0 and eng.stats.preemptions > 0
 
 
 def test_engine_stop_token(tiny):
@@ -712,4 +782,4 @@ def test_engine_on_smollm2_matches_generate(smollm2):
         eng.add(p, 8)
     out = eng.run()
     assert [out[i][0] for i in range(3)] == ref
-    assert eng.stats["peak_batch"] == 3
+    assert eng.stats.peak_batch == 3

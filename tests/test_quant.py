@@ -66,8 +66,8 @@ def test_residual_window_longer_than_the_sequence_is_exact():
     for T in (5, 1, 1, 3):
         k, v = kv(T, seed=T)
         for layer in range(2):
-            kq, vq = q.update(layer, k, v)
-            kd, vd = d.update(layer, k, v)
+            kq, vq = q.update(k, v, layer)
+            kd, vd = d.update(k, v, layer)
             assert torch.equal(kq, kd) and torch.equal(vq, vd)
     assert q.seq_len == d.seq_len == 10 and q.nbytes == d.nbytes
 
@@ -92,7 +92,7 @@ def test_nbytes_formula():
     B, H, D, block, res = 1, 2, 8, 32, 16
     cache = QuantizedCache(1, 4, key_dim="channel", value_dim="token", group_size=4, residual=res, block=block)
     k, v = kv(100, B=B, H=H, D=D)
-    cache.update(0, k, v)
+    cache.update(k, v, 0)
     n_blocks = (100 - res) // block  # 2 blocks quantized, 36 tokens left in the window
     assert cache.seq_len == 100 and n_blocks == 2
     codes = 2 * n_blocks * B * H * block * D // 2  # K and V, half a byte per number
@@ -111,7 +111,7 @@ def test_symmetric_stores_no_minimum():
 def test_crop_keeps_the_first_tokens():
     cache = QuantizedCache(1, 8, residual=4, block=4)
     k, v = kv(13)
-    full_k, _ = cache.update(0, k, v)
+    full_k, _ = cache.update(k, v, 0)
     cache.crop(6)
     assert cache.seq_len == 6
     torch.testing.assert_close(cache.layer_kv(0)[0], full_k[:, :, :6])
@@ -164,7 +164,7 @@ def test_bad_quantize_input():
         pack(torch.zeros(1, 3, dtype=torch.uint8), 4)
     cache = QuantizedCache(1, 4, group_size=3, key_dim="token", block=2)
     with pytest.raises(ValueError, match="group_size 3 does not divide head_dim 8"):
-        cache.update(0, *kv(2))
+        cache.update(*kv(2), 0)
 
 
 @pytest.mark.parametrize("keep", [0, 5, 32, 40, 64, 70, 100])
@@ -172,13 +172,13 @@ def test_crop_with_keys_and_values_split_differently(keep):
     # per-channel keys are stored one block at a time, per-token values one flush at a time
     cache = QuantizedCache(1, 8, key_dim="channel", value_dim="token", residual=4, block=32)
     k, v = kv(100)
-    full_k, full_v = cache.update(0, k, v)
+    full_k, full_v = cache.update(k, v, 0)
     cache.crop(keep)
     ck, cv = cache.layer_kv(0) if keep else (full_k[:, :, :0], full_v[:, :, :0])
     assert cache.seq_len == keep and ck.shape[2] == cv.shape[2] == keep
     torch.testing.assert_close(ck, full_k[:, :, :keep])
     torch.testing.assert_close(cv, full_v[:, :, :keep])
     k2, v2 = kv(3, seed=9)
-    nk, nv = cache.update(0, k2, v2)  # and it keeps working
+    nk, nv = cache.update(k2, v2, 0)  # and it keeps working
     assert nk.shape[2] == nv.shape[2] == keep + 3
     torch.testing.assert_close(nk[:, :, keep:], k2)

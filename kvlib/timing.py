@@ -1,0 +1,98 @@
+"""Small timing helpers the chapters and `kvlib.bench` share.
+
+Every timing is wall-clock ``time.perf_counter``, warmed up first, and reported as a
+median with the raw samples beside it: CPUs are noisy, so compare ratios measured in
+the same run rather than absolute numbers across machines.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache import StaticCache
+from .generate import decode_step, generate, generate_naive, prefill
+from .model import Transformer
+from .validate import int_at_least, positive_int
+
+
+def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:
+    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed.
+
+    Returns ``{"median": s, "min": s, "all": [s, ...]}`` in seconds.
+    """
+    int_at_least("warmup", warmup, 0)
+    int_at_least("repeats", repeats, 1)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median": statistics.median(times), "min": min(times), "all": times}
+
+
+def time_generation(
+    model: Transformer, ids: torch.Tensor, n: int, naive: bool = False, *, warmup: int = 0, repeats: int = 1
+) -> tuple[torch.Tensor, dict]:
+    """Greedy ``generate`` (or ``generate_naive``) of ``n`` tokens: (last output, timings)."""
+    run = generate_naive if naive else generate
+    outs = []
+    timing = timeit(lambda: outs.append(run(model, ids, n)), warmup=warmup, repeats=repeats)
+    return outs[-1], timing
+
+
+def decode_stepper(model: Transformer, ids: torch.Tensor, context: int) -> Callable[[], None]:
+    """A function that runs one decode step with exactly ``context`` tokens cached.
+
+    The cache is filled by one prefill (``ids``, shape ``(1, T)``, repeated to length) and
+    cropped back to ``context`` after every step, so every call sees the same context.
+    """
+    positive_int("context", context)
+    filler = ids.repeat(1, -(-context // ids.shape[1]))[:, :context]  # (1, context)
+    cache = StaticCache.for_model(model.config, 1, context + 1, dtype=model.dtype, device=model.device)
+    prefill(model, filler, cache)
+    tok = filler[:, -1]  # (1,)
+
+    def step() -> None:
+        decode_step(model, tok, cache)
+        cache.crop(context)  # a list update: negligible next to the step
+
+    return step
+
+
+def decode_latency(model: Transformer, ids: torch.Tensor, context: int, steps: int = 20) -> dict:
+    """Timings (seconds) of ``steps`` single decode steps at a fixed ``context``."""
+    return timeit(decode_stepper(model, ids, context), warmup=2, repeats=steps)
+
+
+def matvec_bandwidth(in_features: int, out_features: int, count: int = 1, repeats: int = 10) -> dict:
+    """GB/s of one vector times ``count`` distinct fp32 matrices, in both layouts.
+
+    ``in_out`` stores W ``(in, out)`` and computes ``x @ W`` (kvlib's Linear);
+    ``out_in`` stores ``(out, in)`` and calls ``F.linear(x, W)`` (nn.Linear).
+    The two sweeps alternate, so that noise from other processes hits both.
+    """
+    for name, v in (("in_features", in_features), ("out_features", out_features), ("count", count),
+                    ("repeats", repeats)):
+        positive_int(name, v)
+    x = torch.randn(1, in_features)  # (1, in)
+    mats = {"in_out": [torch.randn(in_features, out_features) for _ in range(count)]}  # count x (in, out)
+    mats["out_in"] = [w.t().contiguous() for w in mats["in_out"]]  # count x (out, in): same numbers, nn.Linear layout
+
+    def sweep(layout: str) -> None:
+        op = torch.matmul if layout == "in_out" else F.linear
+        for w in mats[layout]:
+            op(x, w)  # (1, out)
+
+    times = {k: [] for k in mats}
+    for _ in range(repeats):
+        for layout in times:
+            times[layout].append(timeit(lambda: sweep(layout), warmup=1, repeats=1)["median"])
+    nbytes = sum(w.nbytes for w in mats["in_out"])
+    return {layout: nbytes / statistics.median(t) / 1e9 for layout, t in times.items()}
