@@ -176,6 +176,13 @@ class BlockAllocator:
         self._index.setdefault(h, []).append(block)
         return h
 
+    def seal_full(self, table: list[int], tokens: list[int], since: int = 0) -> None:
+        """Seal every block of ``table`` that became full once ``tokens[since:]`` were added."""
+        bs = self.block_size
+        for i in range(since // bs, len(tokens) // bs):
+            if not self.is_sealed(table[i]):
+                self.seal(table[i], table[i - 1] if i > 0 else None, tokens[i * bs : (i + 1) * bs])
+
     def lookup(self, parent: int | None, tokens: Iterable[int]) -> int | None:
         """The cached block holding ``tokens`` right after ``parent``, or None (a miss).
 

@@ -3,13 +3,13 @@
 * A sequence's *block table* maps its logical block ``i`` (tokens
   ``i*block_size`` to ``(i+1)*block_size - 1``) to a physical block of the pool
   (`kvlib.blocks.BlockAllocator` hands them out). Token ``t`` lives in *slot*
-  ``table[t // block_size] * block_size + t % block_size``.
+  ``table[t // block_size] * block_size + t % block_size`` (`slot_mapping`).
 * `PagedCache` holds one key pool and one value pool per layer, ``k[layer]`` and
   ``v[layer]``, each ``(num_blocks, block_size, kv_heads, head_dim)``, and the tables.
 * ``with cache.step(sids, tokens) as batch: logits = model(tokens, batch)`` runs one
   forward over several sequences of different lengths. The `PagedBatch` is an
-  ordinary `kvlib.Cache`: it gathers each sequence's keys through its table and
-  supplies every sequence's own positions and causal mask. The step is
+  ordinary `kvlib.Cache` (in `kvlib.paged_batch`): it gathers each sequence's keys
+  through its table and supplies every sequence's own positions and causal mask. The step is
   *committed* (blocks reserved, the new K/V written into their slots, full blocks
   sealed) when the ``with`` block ends without an error, or by ``batch.commit()``;
   a forward that raises halfway leaves the cache exactly as it was.
@@ -25,36 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .blocks import BlockAllocator, OutOfBlocks, chain_hash
-from .cache import Cache, CacheSpec
 from .config import ModelConfig
+from .paged_batch import PagedBatch, gather, slot_mapping
 from .validate import positive_int
 
-
-# -- reading a paged pool -----------------------------------------------------------------------------
-def slot_mapping(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat slot ids for tokens ``start .. end-1`` of a sequence: ``block * block_size + offset``."""
-    if not 0 <= start <= end <= len(block_table) * block_size:
-        raise IndexError(f"tokens {start}..{end} do not fit a table of {len(block_table)} blocks of {block_size}")
-    return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
-
-
-def gather(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Read sequences out of a pool through their block tables: ``(B, kv_heads, length, head_dim)``.
-
-    ``pool`` is ``(num_blocks, block_size, kv_heads, head_dim)``; ``block_tables`` is
-    ``(B, n)`` long, padded with any valid block id past a sequence's end (mask those
-    keys). This copies every key it reads; a fused kernel (vLLM's) reads blocks in place.
-    """
-    if pool.dim() != 4:
-        raise ValueError(f"pool must be (num_blocks, block_size, kv_heads, head_dim), got {tuple(pool.shape)}")
-    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"block_tables must be a (batch, blocks) int tensor, got {block_tables.dtype} {tuple(block_tables.shape)}")
-    B, n = block_tables.shape
-    _, bs, H, D = pool.shape
-    if not 0 < length <= n * bs:
-        raise ValueError(f"length {length} does not fit {n} blocks of {bs} slots")
-    blocks = pool[block_tables]  # (B, n, block_size, H, D): one copy of everything read
-    return blocks.view(B, n * bs, H, D)[:, :length].transpose(1, 2)  # (B, H, length, D)
+__all__ = ["OutOfBlocks", "PagedBatch", "PagedCache", "gather", "slot_mapping"]
 
 
 # -- the paged cache ----------------------------------------------------------------------------------
@@ -248,7 +223,7 @@ class PagedCache:
         while len(seq.blocks) * self.block_size < len(seq.tokens) + n_new:
             seq.blocks.append(self.allocator.allocate())
 
-    def step(self, sids: Sequence[int], tokens: torch.Tensor | Sequence[Sequence[int]]) -> "PagedBatch":
+    def step(self, sids: Sequence[int], tokens: torch.Tensor | Sequence[Sequence[int]]) -> PagedBatch:
         """The `Cache` one model forward runs against, for ``tokens`` ``(B, T)`` after sequences ``sids``.
 
         The sequences may hold different numbers of tokens: the batch supplies each
@@ -285,8 +260,9 @@ class PagedCache:
                 "or call batch.commit() after the forward"
             )
 
-    def _commit(self, batch: "PagedBatch") -> None:
-        """Reserve the step's slots (copy-on-write, new blocks), write its K/V, extend and seal."""
+    def commit_step(self, batch: PagedBatch) -> None:
+        """Store a finished step (`PagedBatch.commit` calls this): reserve its slots (copy-on-write,
+        new blocks), write its K/V into them, extend the token lists and seal full blocks."""
         seqs = [self.seqs[s] for s in batch.sids]
         if self.blocks_needed(batch.sids, batch.T) > self.allocator.num_free:
             raise OutOfBlocks("the pool no longer has room for this step")  # unreachable unless stale
@@ -303,14 +279,15 @@ class PagedCache:
         for seq, new in zip(seqs, batch.new_tokens):
             before = len(seq.tokens)
             seq.tokens.extend(new)
-            if not self.prefix_caching:
-                continue
-            for i in range(before // bs, len(seq.tokens) // bs):
-                block = seq.blocks[i]
-                if not self.allocator.is_sealed(block):
-                    parent = seq.blocks[i - 1] if i > 0 else None
-                    self.allocator.seal(block, parent, seq.tokens[i * bs : (i + 1) * bs])
+            if self.prefix_caching:
+                self.allocator.seal_full(seq.blocks, seq.tokens, since=before)
         self.version += 1
+        self._open = None
+
+    def drop_step(self, batch: PagedBatch) -> None:
+        """Forget a step whose forward failed: nothing was written, so there is nothing to undo."""
+        if self._open is batch:
+            self._open = None
 
     # -- reading back ---------------------------------------------------------------------------------
     def layer_kv(self, sid: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,124 +322,3 @@ class PagedCache:
             f"PagedCache(blocks={a.num_used}/{a.num_blocks} used, block_size={self.block_size}, "
             f"sequences={len(self.seqs)}, nbytes={self.nbytes})"
         )
-
-
-class PagedBatch(Cache):
-    """One forward pass's view of a `PagedCache`: the sequences ``sids`` and their new tokens.
-
-    ``update(k, v, layer)`` gathers each sequence's keys through its block table,
-    right-padded to the longest, with this step's ``(B, kv_heads, T, head_dim)``
-    keys placed after each sequence's own: ``(B, kv_heads, S, head_dim)``. Its
-    ``positions()`` and ``mask()`` let each sequence see only its own keys, causally,
-    so ``model(tokens, batch)`` needs nothing else. The pool is written only by
-    ``commit()`` (the ``with`` block calls it), once every layer has run.
-    """
-
-    def __init__(self, cache: PagedCache, sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
-        super().__init__(cache.n_layer)
-        self.cache, self.sids, self.new_tokens, self.start = cache, sids, tokens, lengths
-        B, T = len(sids), len(tokens[0])
-        device = cache.k[0].device
-        self.T = T
-        self.lengths = torch.tensor(lengths, device=device)  # (B,): tokens held before this step
-        self.S = max(lengths) + T  # keys per row after this step (the longest sequence)
-        bs = cache.block_size
-        n_blocks = -(-self.S // bs)
-        tables = [cache.seqs[s].blocks[:n_blocks] for s in sids]
-        # Blocks this step has not reserved yet, and rows shorter than the longest, read block 0:
-        # those slots are overwritten with the new tokens below, or masked out.
-        self.block_tables = torch.tensor([t + [0] * (n_blocks - len(t)) for t in tables], device=device)  # (B, n)
-        self.spec = CacheSpec(B, cache.n_kv_head, cache.head_dim, cache.k[0].dtype, device)
-        self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.n_layer
-        self.committed = False
-        self._version = cache.version  # any later change to the tables makes this batch stale
-
-    # -- where the tokens sit and what they see ------------------------------------------------
-    def _check_tokens(self, tokens: torch.Tensor | None) -> None:
-        if tokens is not None and tuple(tokens.shape[:2]) != (len(self.sids), self.T):
-            raise ValueError(f"this step holds {self.T} new tokens for {len(self.sids)} sequences, "
-                             f"got tokens of shape {tuple(tokens.shape)}")
-
-    def positions(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """``(B, T)`` RoPE positions of the new tokens: each sequence continues from its own length."""
-        self._check_tokens(tokens)
-        return self.lengths[:, None] + torch.arange(self.T, device=self.lengths.device)
-
-    def mask(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """``(B, 1, T, S)`` bool: query ``t`` of sequence ``b`` sees its own keys up to itself,
-        ``0 .. lengths[b] + t``, and none of the right padding."""
-        q_pos = self.positions(tokens)  # (B, T)
-        return (torch.arange(self.S, device=q_pos.device) <= q_pos[..., None])[:, None]  # (B, 1, T, S)
-
-    # -- the Cache protocol ----------------------------------------------------------------------
-    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.staged[layer]
-        rows = torch.arange(len(self.sids), device=k.device)[:, None]  # (B, 1)
-        cols = self.positions()  # (B, T): where each new token sits in its row
-        out = []
-        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
-            kv = gather(pool, self.block_tables, self.S)  # (B, H, S, D), a fresh copy
-            kv[rows, :, cols] = new.transpose(1, 2)  # (B, T, H, D) into the copy, after each row's keys
-            out.append(kv)
-        return out[0], out[1]
-
-    def update(self, key_states, value_states, layer_idx):
-        self.validate_update(key_states, value_states, layer_idx)
-        if key_states.shape[2] != self.T:
-            raise ValueError(f"this step reserved {self.T} tokens per sequence but update got {key_states.shape[2]}")
-        if self.staged[layer_idx] is not None:
-            raise ValueError(f"layer {layer_idx} was already written in this step")
-        self._check_fresh()
-        self.staged[layer_idx] = (key_states, value_states)
-        self.bytes_written += key_states.nbytes + value_states.nbytes
-        return self._read(layer_idx)
-
-    def _check_fresh(self) -> None:
-        if self.committed:
-            raise ValueError("this PagedBatch was already committed; call PagedCache.step for the next step")
-        if self.cache.version != self._version:
-            raise ValueError(
-                "this PagedBatch is stale: the cache's block tables changed after it was made "
-                "(a step, fork, truncate or free); call PagedCache.step again"
-            )
-
-    @property
-    def complete(self) -> bool:
-        """Has every layer been written?"""
-        return all(s is not None for s in self.staged)
-
-    def commit(self) -> None:
-        """Store this step in the cache: every layer must have been written."""
-        self._check_fresh()
-        if not self.complete:
-            missing = [i for i, s in enumerate(self.staged) if s is None]
-            raise ValueError(f"cannot commit a step whose layers {missing} were never written")
-        self.cache._commit(self)
-        self.committed = True
-        self.cache._open = None
-
-    def __enter__(self) -> "PagedBatch":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            self.commit()
-        elif self.cache._open is self:
-            self.cache._open = None  # the forward failed: nothing was written, nothing to undo
-        return False
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.S if self.staged[layer_idx] is not None else self.S - self.T
-
-    @property
-    def nbytes(self) -> int:
-        return self.cache.nbytes
-
-    def reset(self) -> None:
-        raise NotImplementedError("a PagedBatch lives for one forward pass; free sequences with PagedCache.free")
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("a PagedBatch lives for one forward pass; free sequences with PagedCache.free")
-
-    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.staged[layer_idx] is None else self._read(layer_idx)

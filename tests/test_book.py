@@ -83,3 +83,56 @@ def test_every_figure_has_a_caption_and_alt_text(path):
             meta = cell["metadata"].get("mystnb", {})
             assert meta.get("figure", {}).get("caption"), f"figure cell {i} has no caption"
             assert meta.get("image", {}).get("alt"), f"figure cell {i} has no alt text"
+
+
+# -- chapters use only kvlib's public names (learners copy them) ---------------------------------------
+def kvlib_private_names() -> set[str]:
+    """Every ``_name`` that kvlib defines: module-level names, methods and attributes set on self."""
+    import ast
+
+    names = set()
+    for path in (ROOT / "kvlib").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_uses(code: str, kvlib_private: set[str]) -> list[str]:
+    """Lines of ``code`` that reach a private name: ``obj._x`` on anything but ``self``/``cls``,
+    ``self._x`` where kvlib defines ``_x`` (an inherited helper), or ``from kvlib... import _x``."""
+    import ast
+
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if not own or node.attr in kvlib_private:
+                found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvlib"):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_the_private_name_check_can_fail():
+    private = {"_check", "_free"}
+    assert private_uses("a = cache.allocator._free\n", private) == ["line 1: ._free"]
+    assert private_uses("class C:\n    def f(self):\n        self._check(1)\n", private) == ["line 3: ._check"]
+    assert private_uses("from kvlib.generate import _as_batch\n", private) == ["line 1: import _as_batch"]
+    assert private_uses("class C:\n    def f(self):\n        self._mine = 1\n", private) == []  # the learner's own
+    assert private_uses("x.__class__.__name__\n", private) == []
+    assert {"_check_id", "_free", "_settle"} <= kvlib_private_names()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_chapter_code_uses_no_private_name_of_kvlib(path):
+    private = kvlib_private_names()
+    for i, cell in enumerate(load(path)["cells"]):
+        if cell["cell_type"] == "code":
+            uses = private_uses(source(cell), private)
+            assert not uses, f"cell {i} reaches private names: {uses}"
