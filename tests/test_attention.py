@@ -132,3 +132,29 @@ def test_bad_mask_arguments():
         attention_mask(1, 4, torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="n_rep must be >= 1"):
         repeat_kv(torch.randn(1, 1, 1, 1), 0)
+
+
+def test_the_mask_is_decided_per_layer_so_mixed_kernels_each_get_what_they_need():
+    """Layer 0 keeps SDPA's fast path, layer 1 runs a kernel of one's own that needs an explicit
+    mask: a prefill into a non-empty cache and a decode step both match all-reference logits."""
+    import kvlib
+
+    cfg = kvlib.ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=64)
+    model = kvlib.Transformer(cfg)
+    model.reset_parameters(seed=1, std=0.2)
+    seen = []
+
+    def mine(q, k, v, mask):
+        seen.append(None if mask is None else tuple(mask.shape))
+        return kvlib.attention(q, k, v, mask)
+
+    ids = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))
+    ref_cache, mix_cache = kvlib.DynamicCache(2), kvlib.DynamicCache(2)
+    for chunk in (ids[:, :4], ids[:, 4:8], ids[:, 8:]):  # fresh prefill, chunk into a cache, decode
+        model.set_attention_impl("reference")
+        want = model(chunk, ref_cache)
+        model.layers[1].attn.impl = mine
+        got = model(chunk, mix_cache)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert seen == [(1, 1, 4, 4), (1, 1, 4, 8), (1, 1, 1, 9)]  # the learner's kernel always gets a mask
+    model.set_attention_impl("sdpa")

@@ -3,6 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvlib
 from kvlib import DynamicCache, StaticCache
 
 L, B, H, D = 3, 2, 2, 4
@@ -182,3 +183,38 @@ def test_bad_static_sizes():
         StaticCache(2, 1, 1, 0, 4)
     with pytest.raises(ValueError, match="n_layer must be a positive int"):
         DynamicCache(0)
+
+
+# -- kvlib 0.2: an abstract protocol in Hugging Face's order --------------------------------------------
+def test_cache_is_abstract_and_names_what_a_subclass_must_write():
+    class Half(kvlib.Cache):
+        def update(self, key_states, value_states, layer_idx):
+            return key_states, value_states
+
+    with pytest.raises(TypeError, match="abstract methods .*crop.*get_seq_length.*layer_kv.*nbytes.*reset"):
+        Half(2)
+
+
+def test_the_old_argument_order_fails_with_a_hint():
+    cache = DynamicCache(2)
+    with pytest.raises(TypeError, match=r"layer index goes last: update\(k, v, layer_idx\)"):
+        cache.update(0, *kv(1))
+    with pytest.raises(TypeError, match="layer_idx must be an int"):
+        cache.update(*kv(1), 0.0)
+
+
+def test_hf_names_and_the_old_alias_agree():
+    cache = DynamicCache(2)
+    cache.update(*kv(3), layer_idx=0)  # keywords as Hugging Face names them
+    cache.update(key_states=kv(3)[0], value_states=kv(3)[1], layer_idx=1)
+    assert cache.get_seq_length() == cache.get_seq_len() == cache.seq_len == 3
+    assert cache.spec == kvlib.CacheSpec(B, H, D, torch.float32, torch.device("cpu"))
+    assert cache.crop_length(-1) == 2 and cache.crop_length(10) == 3
+
+
+def test_a_plain_cache_places_a_step_after_its_contents():
+    cache = DynamicCache(1)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    assert cache.positions(tokens).tolist() == [[0, 1, 2]] * 2 and cache.mask(tokens) is None
+    cache.update(*kv(5, b=2), 0)
+    assert cache.positions(tokens).tolist() == [[5, 6, 7]] * 2

@@ -3,7 +3,7 @@ import torch
 
 import kvlib
 from kvlib import DynamicCache, ModelConfig, StaticCache, Transformer
-from kvlib.generate import sample
+from kvlib.sampling import sample
 
 
 @pytest.fixture(scope="module")

@@ -74,3 +74,39 @@ def test_bad_input():
         position_ids(torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
         last_index(torch.tensor([[True], [False]]))
+
+
+def test_a_padded_batch_supplies_positions_and_mask_so_the_model_needs_no_arguments():
+    """model(ids, PaddedBatch(cache, valid)) and every later step give each row the logits it gets
+    alone, T > 1 and T = 1, with no positions= or key_valid= passed."""
+    cfg = kvlib.ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=64)
+    model = kvlib.Transformer(cfg)
+    model.reset_parameters(seed=0, std=0.2)
+    rows = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    ids, valid = pad(rows, pad_id=0, side="left")
+    batch = kvlib.PaddedBatch(kvlib.DynamicCache(2), valid)
+    alone = [kvlib.DynamicCache(2) for _ in rows]
+    with torch.inference_mode():
+        got = model(ids, batch)[:, -1]
+        for i, r in enumerate(rows):
+            torch.testing.assert_close(got[i], model(torch.tensor([r]), alone[i])[0, -1], rtol=1e-5, atol=1e-5)
+        for new in ([[1], [2], [3]], [[4, 5], [6, 7], [8, 9]]):  # a decode step, then two tokens each
+            new = torch.tensor(new)
+            got = model(new, batch)
+            for i in range(len(rows)):
+                torch.testing.assert_close(got[i], model(new[i:i + 1], alone[i])[0], rtol=1e-5, atol=1e-5)
+    assert batch.positions(torch.zeros(3, 1, dtype=torch.long)).tolist() == [[8], [5], [6]]
+
+
+def test_bad_padded_batches():
+    valid = torch.tensor([[False, True], [True, True]])
+    with pytest.raises(TypeError, match="wraps a kvlib Cache"):
+        kvlib.PaddedBatch(object(), valid)
+    with pytest.raises(TypeError, match="valid must be a"):
+        kvlib.PaddedBatch(kvlib.DynamicCache(1), valid.long())
+    with pytest.raises(ValueError, match=r"rows \[0\] have no real token"):
+        kvlib.PaddedBatch(kvlib.DynamicCache(1), torch.tensor([[False, False], [True, True]]))
+    full = kvlib.DynamicCache(1)
+    full.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), 0)
+    with pytest.raises(ValueError, match="need an empty cache; this one already holds 3"):
+        kvlib.PaddedBatch(full, valid)

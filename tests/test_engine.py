@@ -1,0 +1,92 @@
+"""The serving engine's parts: Sequence (a state enum), Scheduler (no tensors), Engine (schedule, run, process)."""
+
+import pytest
+import torch
+
+import kvlib
+from kvlib import ModelConfig, SamplingParams, Transformer
+from kvlib.blocks import OutOfBlocks
+from kvlib.engine import Engine, EngineStats, Request, Scheduler, SeqState, Sequence
+from kvlib.paged import PagedCache
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=128)
+    m = Transformer(cfg)
+    m.reset_parameters(seed=0, std=0.2)
+    return m.eval()
+
+
+def request(n=1, prompt=(1, 2, 3)):
+    return Request(0, list(prompt), SamplingParams(max_new_tokens=4), n)
+
+
+def test_bad_sequences_are_refused():
+    cache = PagedCache(1, 1, 1, num_blocks=4, block_size=2)
+    with pytest.raises(TypeError, match="belongs to a Request"):
+        Sequence("not a request", 0, cache)
+    with pytest.raises(IndexError, match="sample index 2 is outside the request's n=2 samples"):
+        Sequence(request(n=2), 2, cache)
+    with pytest.raises(TypeError, match="state must be a SeqState"):
+        Sequence(request(), 0, cache, state="running")
+
+
+def test_bad_scheduler_inputs_are_refused():
+    cache = PagedCache(1, 1, 1, num_blocks=4, block_size=2)
+    with pytest.raises(TypeError, match="needs a PagedCache"):
+        Scheduler(kvlib.DynamicCache(1))
+    with pytest.raises(ValueError, match="max_batch must be a positive int"):
+        Scheduler(cache, max_batch=0)
+    s = Scheduler(cache, max_batch=2)
+    req = request(n=3)
+    with pytest.raises(ValueError, match="n=3 samples cannot run at once with max_batch=2"):
+        s.add([Sequence(req, i, cache) for i in range(3)])
+    done = Sequence(request(), 0, cache, state=SeqState.FINISHED)
+    with pytest.raises(ValueError, match="only new, waiting sequences"):
+        s.add([done])
+    with pytest.raises(ValueError, match="only new, waiting sequences"):
+        s.add([])
+
+
+def test_the_scheduler_admits_first_come_first_served_and_never_touches_a_tensor():
+    """Block arithmetic only: a 5-token prompt needs ceil(6 / 2) = 3 blocks, forks one more each."""
+    cache = PagedCache(1, 1, 1, num_blocks=4, block_size=2)
+    s = Scheduler(cache)
+    big, small = request(n=2, prompt=range(5)), request(prompt=[1])
+    assert s.blocks_to_admit(5, 2) == 4 and s.blocks_to_admit(1, 1) == 1
+    s.add([Sequence(big, i, cache) for i in range(2)])
+    s.add([Sequence(small, 0, cache)])
+    assert s.admit() is not None  # 4 blocks free: the head fits
+    cache.add([0, 1, 2, 3, 4])  # pretend it runs: its blocks are not reserved yet, so take them by hand
+    a = cache.allocator
+    for _ in range(4):
+        a.allocate()
+    with pytest.raises(OutOfBlocks, match="needs 1 blocks"):
+        s.admit()  # nothing running and no room: it can never fit
+    seq = Sequence(small, 0, cache, state=SeqState.RUNNING)
+    s.running.append(seq)
+    assert s.admit() is None  # something runs: wait for it to finish
+
+
+def test_states_move_waiting_running_preempted_finished(tiny):
+    """A pool so tight that the second sequence is preempted, then recomputed."""
+    cache = PagedCache.for_model(tiny.config, num_blocks=5, block_size=2)
+    eng = Engine(tiny, cache)
+    eng.add([1, 2, 3], 4)
+    eng.add([4, 5, 6], 4)
+    first, second = (eng.requests[i].seqs[0] for i in range(2))
+    assert first.state is second.state is SeqState.WAITING and first.block_table == []
+    eng.prefill()
+    assert first.state is second.state is SeqState.RUNNING
+    assert len(first.block_table) == 2 and first.cached_tokens == 0
+    seen = set()
+    while not eng.finished:
+        eng.step()
+        seen.add(second.state)
+    assert SeqState.PREEMPTED in seen and first.finished and second.finished
+    assert eng.stats.preemptions > 0 and isinstance(eng.stats, EngineStats)
+    for i, p in enumerate(([1, 2, 3], [4, 5, 6])):  # preemption changed no token
+        want = kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=4)[0, 3:].tolist()
+        assert eng.requests[i].outputs == [want]
+    assert cache.allocator.num_used == 0

@@ -1,0 +1,72 @@
+"""SamplingParams: one validated object behind generate, stream, generate_naive and the engine."""
+
+import pytest
+import torch
+
+import kvlib
+from kvlib import ModelConfig, SamplingParams, Transformer
+from kvlib.sampling import sampling_params
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=64)
+    m = Transformer(cfg)
+    m.reset_parameters(seed=0, std=0.2)
+    return m.eval()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(temperature=-1), ValueError, "temperature must be a number >= 0"),
+    (dict(temperature=float("nan")), ValueError, "temperature must be a number >= 0"),
+    (dict(temperature="hot"), ValueError, "temperature must be a number"),
+    (dict(top_k=0), ValueError, "top_k must be a positive int"),
+    (dict(top_k=2.5), ValueError, "top_k must be a positive int"),
+    (dict(top_p=0.0), ValueError, r"top_p must lie in \(0, 1\]"),
+    (dict(top_p=1.5), ValueError, r"top_p must lie in \(0, 1\]"),
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an int >= 0, got -1"),
+    (dict(max_new_tokens=True), ValueError, "max_new_tokens must be an int >= 0"),
+    (dict(stop=[1, "eos"]), TypeError, "stop must be an int or an iterable of ints"),
+    (dict(seed=1, generator=torch.Generator()), ValueError, "either seed or generator"),
+    (dict(seed="1"), TypeError, "seed must be an int"),
+    (dict(generator=42), TypeError, "generator must be a torch.Generator"),
+])
+def test_bad_sampling_params_are_refused_once_with_a_clear_error(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_stop_is_normalised_to_a_tuple_and_params_are_frozen():
+    assert SamplingParams(stop=7).stop == (7,)
+    assert SamplingParams(stop=[3, 4]).stop == (3, 4)
+    assert SamplingParams().stop == ()
+    with pytest.raises(AttributeError):
+        SamplingParams().temperature = 1.0
+
+
+def test_keywords_and_the_object_are_two_doors_to_one_thing(model):
+    p = SamplingParams(max_new_tokens=6, temperature=1.2, top_k=10, top_p=0.9, seed=3)
+    a = kvlib.generate(model, [1, 2, 3], sampling=p)
+    b = kvlib.generate(model, [1, 2, 3], 6, temperature=1.2, top_k=10, top_p=0.9, seed=3)
+    c = kvlib.generate_naive(model, [1, 2, 3], sampling=p)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert list(kvlib.stream(model, [1, 2, 3], sampling=p)) == a[0, 3:].tolist()
+    # max_new_tokens given beside the object overrides it
+    assert kvlib.generate(model, [1, 2, 3], 2, sampling=p).shape == (1, 5)
+    with pytest.raises(ValueError, match="either sampling=SamplingParams"):
+        kvlib.generate(model, [1, 2, 3], sampling=p, temperature=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        kvlib.generate(model, [1, 2, 3], 4, temprature=0.5)
+    with pytest.raises(ValueError, match="max_new_tokens is required"):
+        kvlib.generate(model, [1, 2, 3])
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        sampling_params({"temperature": 1.0})
+
+
+def test_the_engine_takes_the_same_params(model):
+    prompt = [5, 6, 7, 8]
+    p = SamplingParams(max_new_tokens=5, temperature=1.0, seed=11)
+    want = kvlib.generate(model, prompt, sampling=p)[0, 4:].tolist()
+    eng = kvlib.Engine(model, kvlib.PagedCache.for_model(model.config, num_blocks=16, block_size=4))
+    eng.add(prompt, sampling=p)
+    assert eng.run()[0] == [want]  # the same seeded draws, through the paged engine
