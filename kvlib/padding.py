@@ -23,7 +23,9 @@ from .attention import attention_mask
 from .cache import Cache
 
 
-def pad(rows: list[list[int]], pad_id: int = 0, side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+def pad(
+    rows: list[list[int]], pad_id: int = 0, side: str = "left", *, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad token lists to one ``(B, T)`` tensor. Returns ``(ids, valid)``, ``valid`` False on pads."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
@@ -39,7 +41,7 @@ def pad(rows: list[list[int]], pad_id: int = 0, side: str = "left") -> tuple[tor
         fill = T - len(r)
         ids.append([pad_id] * fill + list(r) if side == "left" else list(r) + [pad_id] * fill)
         valid.append([False] * fill + [True] * len(r) if side == "left" else [True] * len(r) + [False] * fill)
-    return torch.tensor(ids, dtype=torch.long), torch.tensor(valid)
+    return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(valid, device=device)
 
 
 def _check_valid(valid: torch.Tensor) -> None:

@@ -10,6 +10,29 @@ import pytest
 import torch
 from hypothesis import settings
 
+# KVLIB_TEST_DEVICE=cuda runs the tests marked `device` there (tests/test_device.py: the
+# reference cross-checks, written device-agnostic) and skips the CPU-only rest with a reason.
+DEVICE = torch.device(os.environ.get("KVLIB_TEST_DEVICE", "cpu"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: runs on KVLIB_TEST_DEVICE (default cpu)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE.type == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"CPU-only check; KVLIB_TEST_DEVICE={DEVICE} runs the tests marked `device`")
+    for item in items:
+        if "device" not in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    return DEVICE
+
+
 # Two cores: under xdist each of the two workers gets one thread; alone, use both.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
