@@ -219,7 +219,7 @@ def _stream(model, ids: torch.Tensor, valid: torch.Tensor | None, params: Sampli
     _check_len(model, T, past, n_new)
     if cache is None and n_new > 0:
         cache = _default_cache(model, B, T + n_new)
-    if valid is not None:
+    if valid is not None and cache is not None:
         cache = PaddedBatch(cache, valid)  # the cache now knows which prompt slots are pads
     return _loop(_cached_stepper(model, ids, cache), B, params, ids.device, sync_every)
 

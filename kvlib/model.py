@@ -264,7 +264,9 @@ class Transformer(nn.Module):
         return positions
 
     @staticmethod
-    def _mask(tokens, cache, past, key_valid, mask) -> torch.Tensor | None:
+    def _mask(
+        tokens: torch.Tensor, cache: Cache | None, past: int, key_valid: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """The step's mask: explicit ``mask``, else from ``key_valid``, else the cache's (None = plain causal)."""
         B, T = tokens.shape
         if mask is not None and key_valid is not None:
