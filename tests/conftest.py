@@ -59,3 +59,14 @@ def hf_smollm2():
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tok
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A 2-layer GQA model with sharp random logits (no argmax ties), vocabulary 50."""
+    from kvlib import ModelConfig, Transformer
+
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=128)
+    m = Transformer(cfg)
+    m.reset_parameters(seed=0, std=0.2)
+    return m.eval()

@@ -4,18 +4,15 @@ import pytest
 import torch
 
 import kvlib
-from kvlib import ModelConfig, SamplingParams, Transformer
+from kvlib import SamplingParams
 from kvlib.blocks import OutOfBlocks
 from kvlib.engine import Engine, EngineStats, Request, Scheduler, SeqState, Sequence
 from kvlib.paged import PagedCache
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=128)
-    m = Transformer(cfg)
-    m.reset_parameters(seed=0, std=0.2)
-    return m.eval()
+def tiny(tiny_model):
+    return tiny_model
 
 
 def request(n=1, prompt=(1, 2, 3)):

@@ -4,16 +4,13 @@ import pytest
 import torch
 
 import kvlib
-from kvlib import ModelConfig, SamplingParams, Transformer
+from kvlib import SamplingParams
 from kvlib.sampling import sampling_params
 
 
 @pytest.fixture(scope="module")
-def model():
-    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=64)
-    m = Transformer(cfg)
-    m.reset_parameters(seed=0, std=0.2)
-    return m.eval()
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
