@@ -49,8 +49,9 @@ def attention_mask(
     ``key_valid`` is ``(batch, k_len)`` bool, ``False`` where a key is padding.
     Returns ``(batch or 1, 1, q_len, k_len)``, ready to broadcast over heads.
     A left-pad query may see no key at all, and a softmax over nothing is NaN;
-    ``pads_see_themselves=True`` lets every query see its own slot. Real tokens
-    never look at pads, so nothing leaks (this is what the model uses).
+    ``pads_see_themselves=True`` lets such a query, and only such a query, see its
+    own slot (the bottom-right diagonal). A query that sees any valid key is left
+    alone, so nothing leaks into real tokens (this is what the model uses).
     """
     mask = causal_mask(q_len, k_len, device=device)[None, None]  # (1, 1, q, k)
     if key_valid is None:
@@ -62,7 +63,8 @@ def attention_mask(
     mask = mask & key_valid[:, None, None, :].to(mask.device)  # (B, 1, q, k)
     if pads_see_themselves:
         q_pos = torch.arange(q_len, device=mask.device)[:, None] + (k_len - q_len)  # (q, 1)
-        mask = mask | (torch.arange(k_len, device=mask.device)[None, :] == q_pos)
+        blind = ~mask.any(dim=-1, keepdim=True)  # (B, 1, q, 1): queries that would see no key
+        mask = mask | (blind & (torch.arange(k_len, device=mask.device)[None, :] == q_pos))
     return mask
 
 

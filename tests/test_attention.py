@@ -158,3 +158,17 @@ def test_the_mask_is_decided_per_layer_so_mixed_kernels_each_get_what_they_need(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert seen == [(1, 1, 4, 4), (1, 1, 4, 8), (1, 1, 1, 9)]  # the learner's kernel always gets a mask
     model.set_attention_impl("sdpa")
+
+
+def test_only_a_query_that_sees_nothing_is_let_see_itself():
+    """Left pads see no key and get their own slot (no NaN); a right-padded row whose new token
+    is not in the last column keeps exactly its own keys: the empty last slot stays masked."""
+    from kvlib.attention import attention_mask
+
+    left = torch.tensor([[False, False, True, True]])
+    m = attention_mask(4, 4, left, pads_see_themselves=True)[0, 0]
+    assert m[0].tolist() == [True, False, False, False] and m[1].tolist() == [False, True, False, False]
+    assert m[3].tolist() == [False, False, True, True]
+    right = torch.tensor([[True, True, False, False]])  # a decode query at column 1 of a wider cache
+    m = attention_mask(1, 4, right, pads_see_themselves=True)[0, 0]
+    assert m.tolist() == [[True, True, False, False]]
