@@ -53,11 +53,13 @@ class CacheSpec:
 class Cache(abc.ABC):
     """The protocol every kvlib cache follows, and the helpers a subclass needs.
 
-    To write your own cache, implement the six abstract members: ``update``,
-    ``get_seq_length``, ``nbytes``, ``reset``, ``crop`` and ``layer_kv``. Start
-    ``update`` with ``self.validate_update(k, v, layer)`` (shapes, dtype, device,
-    layer index, consistency with earlier updates), and ``crop`` with
-    ``keep = self.crop_length(n)``. Then run `kvlib.check.check_cache` on it.
+    To write your own cache, call ``super().__init__(n_layer)`` in ``__init__`` and
+    implement the six abstract members: ``update``, ``get_seq_length(layer_idx=0)``
+    (keep the default), ``nbytes`` (a ``@property``), ``reset`` (which also sets
+    ``self.spec = None``), ``crop`` and ``layer_kv``. Start ``update`` with
+    ``self.validate_update(k, v, layer_idx)`` (shapes, dtype, device, layer index,
+    consistency with earlier updates), and ``crop`` with ``keep = self.crop_length(n)``.
+    Then run `kvlib.check.check_cache` on it.
 
     How it differs from Hugging Face's ``Cache``: the argument order and names of
     ``update(key_states, value_states, layer_idx)``, ``get_seq_length``, ``crop``
@@ -104,8 +106,7 @@ class Cache(abc.ABC):
     # -- where a step's tokens sit and what they may see -------------------------------------------
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` RoPE positions of a step's new ``tokens`` ``(B, T)``: right after what is cached."""
-        past = self.get_seq_length()
-        B, T = tokens.shape
+        past, (B, T) = self.seq_len, tokens.shape
         return torch.arange(past, past + T, device=tokens.device).expand(B, T)
 
     def mask(self, tokens: torch.Tensor) -> torch.Tensor | None:

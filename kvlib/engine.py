@@ -33,7 +33,7 @@ class SeqState(enum.Enum):
     FINISHED = "finished"  # emitted a stop token or its last token
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: requests are compared by who they are
 class Request:
     """A prompt to continue ``n`` times (parallel sampling shares the prompt's blocks)."""
 
@@ -54,7 +54,7 @@ class Request:
         return [s.state is SeqState.FINISHED for s in self.seqs]
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One sample of a request, from waiting to finished."""
 
@@ -251,7 +251,7 @@ class Engine:
                 f"more than the pool's {self.cache.num_blocks} blocks of {self.cache.block_size}"
             )
         rid = len(self.requests)
-        req = Request(rid, prompt, params, n, generator=params.make_generator() or self.generator)
+        req = Request(rid, prompt, params, n, generator=params.make_generator(self.model.device) or self.generator)
         req.seqs = [Sequence(req, i, self.cache) for i in range(n)]
         self.requests[rid] = req
         self.scheduler.add(list(req.seqs))
@@ -269,13 +269,13 @@ class Engine:
         """Admit waiting groups while they fit; each is prefilled once and forked per sample."""
         while (group := self.scheduler.admit()) is not None:
             try:
-                logits = self._run_prefill(group)
+                tokens = self._run_prefill(group)
             except BaseException:
                 self.scheduler.requeue(group)
                 raise
-            for seq in group:
+            for seq, token in zip(group, tokens):
                 self.scheduler.start(seq)
-                self._process(seq, logits)
+                self._emit(seq, token)
 
     def decode(self) -> None:
         """One batched decode step for every running sequence (preempting if blocks run short)."""
@@ -283,44 +283,54 @@ class Engine:
         self.stats.preemptions += len(preempted)
         if not seqs:
             return
-        logits = self._run_decode(seqs)
+        tokens = self._run_decode(seqs)
         self.stats.decode_tokens += len(seqs)
         self.stats.peak_batch = max(self.stats.peak_batch, len(seqs))
-        for seq, row in zip(seqs, logits):
-            self._process(seq, row)
+        for seq, token in zip(seqs, tokens):
+            self._emit(seq, token)
 
     @torch.inference_mode()
-    def _run_prefill(self, group: list[Sequence]) -> torch.Tensor:
-        """The group's tokens through the model once; returns the next-token logits ``(vocab,)``."""
+    def _run_prefill(self, group: list[Sequence]) -> list[int]:
+        """The group's tokens through the model once; returns one sampled token per sample."""
         tokens = group[0].tokens
         sid, cached = self.cache.add(tokens)
+        todo = tokens[cached:]  # what the cache lacks
         try:
-            todo = torch.tensor([tokens[cached:]], device=self.model.device)  # (1, T): what the cache lacks
-            with self.cache.step([sid], todo) as batch:
-                logits = self.model(todo, batch, last_only=True)[0, -1]
+            with self.cache.step([sid], [todo]) as batch:  # token ids stay on the host for the cache
+                logits = self.model(torch.tensor([todo], device=self.model.device), batch, last_only=True)[0, -1]
+                picks = self._sample(group, [logits] * len(group))  # before the commit: an error drops the step
             self._note_peak()
         except BaseException:
             self.cache.free(sid)  # leave no half-made sequence behind
             raise
-        self.stats.prefill_tokens += todo.shape[1]
+        self.stats.prefill_tokens += len(todo)
         self.stats.cached_tokens += cached
         sids = [sid] + [self.cache.fork(sid) for _ in group[1:]]  # parallel samples share the prompt's blocks
         for seq, s in zip(group, sids):
             seq.sid, seq.cached_tokens = s, cached
-        return logits
+        return picks
 
     @torch.inference_mode()
-    def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        tokens = torch.tensor([[s.pending] for s in seqs], device=self.model.device)  # (B, 1)
-        with self.cache.step([s.sid for s in seqs], tokens) as batch:
-            logits = self.model(tokens, batch, last_only=True)[:, -1]  # (B, vocab)
+    def _run_decode(self, seqs: list[Sequence]) -> list[int]:
+        ids = [[s.pending] for s in seqs]  # (B, 1) as host ints
+        with self.cache.step([s.sid for s in seqs], ids) as batch:
+            logits = self.model(torch.tensor(ids, device=self.model.device), batch, last_only=True)[:, -1]
+            picks = self._sample(seqs, logits)  # (B, vocab) -> B tokens, before the commit
         self._note_peak()
-        return logits
+        return picks
 
-    def _process(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the sequence's next token, emit it, and finish the sequence if it is done."""
+    @staticmethod
+    def _sample(seqs: list[Sequence], logits: list[torch.Tensor] | torch.Tensor) -> list[int]:
+        """One token per sequence, each with its request's sampling, read back from the device once.
+
+        That one read per step is the engine's only sync: stop checks and block sealing run on the host.
+        """
+        picks = [sample(row[None], s.request.params, generator=s.request.generator)[0] for s, row in zip(seqs, logits)]
+        return torch.stack(picks).tolist()
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        """Record the sequence's next token, and finish the sequence if it is done."""
         req = seq.request
-        token = int(sample(logits[None], req.params, generator=req.generator)[0])
         seq.output.append(token)
         if token in self.stop or token in req.params.stop or len(seq.output) >= req.params.max_new_tokens:
             self.scheduler.finish(seq)

@@ -246,7 +246,9 @@ def generate(
     """
     params = sampling_params(sampling, max_new_tokens, **sampling_kwargs)
     ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
-    toks = list(_stream(model, ids, valid, params, cache, sync_every=16))
+    # Ask "all stopped?" rarely, then trim: unless a cache or generator of the caller's would see the extra steps.
+    own = cache is None and params.generator is None
+    toks = list(_stream(model, ids, valid, params, cache, sync_every=16 if own else 1))
     return _join(ids, valid, pad_id, toks, params)
 
 

@@ -100,7 +100,7 @@ class PaddedBatch(Cache):
 
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
         past, T = self.seq_len, tokens.shape[1]
-        return position_ids(self.key_valid(past + T))[:, past:]  # (B, T)
+        return position_ids(self.key_valid(past + T))[:, past:].to(tokens.device)  # (B, T)
 
     def mask(self, tokens: torch.Tensor) -> torch.Tensor:
         past, T = self.seq_len, tokens.shape[1]
@@ -124,6 +124,9 @@ class PaddedBatch(Cache):
         raise NotImplementedError("a PaddedBatch belongs to one padded prompt; reset the wrapped cache and wrap it anew")
 
     def crop(self, max_length: int) -> None:
+        if self.crop_length(max_length) < self.valid.shape[1]:
+            raise ValueError(f"cannot crop into the padded prompt of {self.valid.shape[1]} tokens; "
+                             f"crop the wrapped cache and wrap it anew")
         self.inner.crop(max_length)
 
     def layer_kv(self, layer_idx: int):

@@ -32,6 +32,23 @@ from .validate import positive_int
 __all__ = ["OutOfBlocks", "PagedBatch", "PagedCache", "gather", "slot_mapping"]
 
 
+def _token_rows(tokens: torch.Tensor | Sequence[Sequence[int]], batch: int) -> list[list[int]]:
+    """``(batch, T)`` token ids as lists of ints (a tensor is read back to the host once)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"tokens must be int ids, got {tokens.dtype}")
+        rows = tokens.tolist() if tokens.dim() == 2 else None
+    else:
+        rows = [list(r) for r in tokens]
+        bad = [t for r in rows for t in r if not isinstance(t, int) or isinstance(t, bool)]
+        if bad:
+            raise TypeError(f"tokens must be int ids, got {type(bad[0]).__name__} {bad[0]!r}")
+    if rows is None or len(rows) != batch or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
+        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else [len(r) for r in rows]
+        raise ValueError(f"tokens must be (batch={batch}, T >= 1), got {got}")
+    return rows
+
+
 # -- the paged cache ----------------------------------------------------------------------------------
 @dataclass
 class _Seq:
@@ -146,7 +163,7 @@ class PagedCache:
         """A new sequence sharing every block of ``sid``; the first write to a shared block copies it."""
         self._settle()
         parent = self._seq(sid)
-        held = parent.blocks[: -(-len(parent.tokens) // self.block_size)]  # not blocks reserved past the end
+        held = parent.blocks[: -(-len(parent.tokens) // self.block_size)]  # blocks holding written tokens only
         for block in held:
             self.allocator.share(block)
         child = self._next_id
@@ -187,7 +204,7 @@ class PagedCache:
         i = len(seq.tokens) // self.block_size
         if i >= len(seq.blocks):
             return True  # the next token starts a block not allocated yet
-        block = seq.blocks[i]  # partly filled, or reserved by a step that never finished
+        block = seq.blocks[i]  # partly filled, or the sealed block a fully cached prompt ends inside
         return self.allocator.refcount[block] == 1 and not self.allocator.is_sealed(block)
 
     def blocks_needed(self, sids: Sequence[int], n_new: int) -> int:
@@ -238,16 +255,11 @@ class PagedCache:
         if len(set(sids)) != len(sids):
             raise ValueError(f"a sequence appears twice in one step: {sids}")
         seqs = [self._seq(s) for s in sids]
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(tokens)
-        if tokens.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"tokens must be int ids, got {tokens.dtype}")
-        if tokens.dim() != 2 or tokens.shape[0] != len(sids) or tokens.shape[1] == 0:
-            raise ValueError(f"tokens must be (batch={len(sids)}, T >= 1), got shape {tuple(tokens.shape)}")
-        need = self.blocks_needed(sids, tokens.shape[1])
+        rows = _token_rows(tokens, len(sids))  # host ints: the tables and the prefix index live on the host
+        need = self.blocks_needed(sids, len(rows[0]))
         if need > self.allocator.num_free:
             raise OutOfBlocks(f"this step needs {need} blocks but only {self.allocator.num_free} are free")
-        self._open = PagedBatch(self, sids, tokens.tolist(), [len(s.tokens) for s in seqs])
+        self._open = PagedBatch(self, sids, rows, [len(s.tokens) for s in seqs])
         return self._open
 
     def _settle(self) -> None:

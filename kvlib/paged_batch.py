@@ -143,7 +143,11 @@ class PagedBatch(Cache):
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
-            self.commit()
+            try:
+                self.commit()
+            except BaseException:
+                self.cache.drop_step(self)  # a commit that failed (stale, say) must not block the cache
+                raise
         else:
             self.cache.drop_step(self)  # the forward failed: nothing was written, nothing to undo
         return False

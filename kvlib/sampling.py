@@ -9,6 +9,7 @@ its fields as keyword arguments), so every loop samples the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -41,8 +42,8 @@ class SamplingParams:
         if self.max_new_tokens is not None:
             int_at_least("max_new_tokens", self.max_new_tokens, 0)
         t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t >= 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {t!r}")
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not (t == 0 or 1e-6 <= t < math.inf):
+            raise ValueError(f"temperature must be a number >= 0 (0 means greedy; else finite, >= 1e-6), got {t!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
         p = self.top_p
@@ -107,14 +108,16 @@ def sample(
 ) -> torch.Tensor:
     """Pick one token per row of ``logits`` ``(B, vocab)``; returns ``(B,)``.
 
-    Pass the cuts as arguments, or one `SamplingParams` in place of ``temperature``
-    (then ``generator`` still comes from the argument, since a loop draws from one
-    generator for all its steps).
+    Pass the cuts as arguments, or one `SamplingParams` in place of ``temperature``.
+    A ``generator`` argument wins over the params' own (a loop draws from one
+    generator for all its steps); without one, the params' ``generator`` or ``seed`` is used.
     """
     if isinstance(temperature, SamplingParams):
         params = temperature
         if top_k is not None or top_p is not None:
             raise ValueError("pass top_k and top_p inside the SamplingParams, not beside it")
+        if generator is None:
+            generator = params.make_generator(logits.device)
     else:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     return _sample(logits, params, generator)

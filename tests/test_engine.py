@@ -87,3 +87,56 @@ def test_states_move_waiting_running_preempted_finished(tiny):
         want = kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=4)[0, 3:].tolist()
         assert eng.requests[i].outputs == [want]
     assert cache.allocator.num_used == 0
+
+
+def test_a_failure_after_the_forward_drops_the_step_and_the_engine_goes_on(tiny, monkeypatch):
+    """Sampling raises once, mid-decode, after the model ran: nothing is committed or emitted,
+    and the retried steps give exactly generate's tokens."""
+    import kvlib.engine as engine_module
+
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=6)[0, len(p):].tolist() for p in prompts]
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    eng = Engine(tiny, cache)
+    for p in prompts:
+        eng.add(p, 6)
+    eng.step()
+    before = ([s.output[:] for r in eng.requests.values() for s in r.seqs],
+              [cache.tokens(s.sid) for r in eng.requests.values() for s in r.seqs])
+    real, calls = engine_module.sample, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("interrupted while sampling")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "sample", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    after = ([s.output[:] for r in eng.requests.values() for s in r.seqs],
+             [cache.tokens(s.sid) for r in eng.requests.values() for s in r.seqs])
+    assert after == before  # no token emitted, none stored
+    cache.check()
+    out = eng.run()
+    assert [out[0][0], out[1][0]] == want
+
+
+def test_the_engine_reads_the_device_once_per_step(tiny, monkeypatch):
+    """Token ids reach the cache as host ints; the sampled ids come back in one tolist()."""
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counting(self):
+        reads.append(tuple(self.shape))
+        return real(self)
+
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    eng = Engine(tiny, cache)
+    for p in ([1, 2, 3], [4, 5], [6]):
+        eng.add(p, 3)
+    eng.prefill()
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    eng.decode()
+    monkeypatch.undo()
+    assert reads == [(3,)]  # one read: the three sampled tokens

@@ -237,3 +237,24 @@ def test_padded_prompts_need_an_empty_cache(model):
     kvlib.generate(model, torch.tensor([[1, 2], [3, 4]]), 2, cache=cache)
     with pytest.raises(ValueError, match="padded prompts need an empty cache"):
         kvlib.generate(model, [[1, 2, 3], [4]], 2, cache=cache)
+
+
+def test_a_callers_cache_ends_where_stopping_exactly_would_leave_it(model):
+    """generate checks for "all stopped" only now and then when it owns the cache; with the
+    caller's cache it stops exactly, so the conversation can continue from the right place."""
+    free = kvlib.generate(model, [1, 2, 3, 4, 5], 20)[0, 5:].tolist()
+    stop_tok = free[2]
+    k = free.index(stop_tok)
+    cache = DynamicCache(model.config.n_layer)
+    out = kvlib.generate(model, [1, 2, 3, 4, 5], 20, stop=stop_tok, cache=cache)
+    assert out[0, 5:].tolist() == free[: k + 1]
+    assert cache.seq_len == 5 + k  # the stop token is returned, never fed back
+    assert torch.equal(kvlib.generate(model, [1, 2, 3, 4, 5], 20, stop=stop_tok), out)  # own cache: same tokens
+
+
+def test_sample_with_params_uses_their_seed():
+    logits = torch.zeros(1, 1000)
+    p = kvlib.SamplingParams(temperature=1.0, seed=7)
+    assert len({int(sample(logits, p)) for _ in range(5)}) == 1  # the seed fixes the draw
+    g = torch.Generator().manual_seed(7)
+    assert int(sample(logits, p, generator=g)) == int(sample(logits, p))  # an explicit generator wins

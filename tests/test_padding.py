@@ -110,3 +110,14 @@ def test_bad_padded_batches():
     full.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), 0)
     with pytest.raises(ValueError, match="need an empty cache; this one already holds 3"):
         kvlib.PaddedBatch(full, valid)
+
+
+def test_a_padded_batch_refuses_to_crop_into_its_prompt():
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    inner = kvlib.DynamicCache(1)
+    batch = kvlib.PaddedBatch(inner, valid)
+    batch.update(torch.zeros(2, 1, 4, 2), torch.zeros(2, 1, 4, 2), 0)
+    batch.crop(3)  # back to the prompt: fine
+    assert inner.seq_len == 3
+    with pytest.raises(ValueError, match="cannot crop into the padded prompt of 3 tokens"):
+        batch.crop(2)
