@@ -13,7 +13,7 @@ The top level holds what a chapter or an exercise reaches for first:
   `generate_naive`, `stream`.
 
 Everything else lives in its module, one idea each: `kvlib.blocks`, `kvlib.paged`,
-`kvlib.engine`, `kvlib.memory`, `kvlib.simulate`, `kvlib.cost`, `kvlib.quant`,
+`kvlib.engine`, `kvlib.memory`, `kvlib.simulate`, `kvlib.cost`, `kvlib.hardware`, `kvlib.quant`,
 `kvlib.gqa`, `kvlib.mla`, `kvlib.padding`, `kvlib.evaluate`, `kvlib.data`,
 `kvlib.timing`, `kvlib.check`, `kvlib.validate` (all importable after ``import kvlib``),
 and `kvlib.plot`, `kvlib.explorer`, `kvlib.bench`, which pull in plotting, widgets
@@ -21,7 +21,7 @@ or Hugging Face and are imported on their own.
 """
 
 from . import (  # noqa: F401  (the modules, so that kvlib.memory etc. work after `import kvlib`)
-    blocks, check, cost, data, engine, evaluate, gqa, memory, mla, padding, paged, quant, sampling, simulate,
+    blocks, check, cost, data, engine, evaluate, gqa, hardware, memory, mla, padding, paged, quant, sampling, simulate,
     timing, validate,
 )
 from .attention import attention, attention_mask, causal_mask, grouped_attention, repeat_kv, softmax

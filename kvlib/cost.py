@@ -105,3 +105,99 @@ def cached_flops(config: ModelConfig, prompt_len: int, new_tokens: int) -> int:
         return 0
     head = 2 * config.d_model * config.vocab_size
     return _positions_flops(config, 0, prompt_len + new_tokens - 1) + new_tokens * head
+
+
+# -- one forward step: what the roofline model of `kvlib.hardware` needs --------------------------
+def _check_step(config: ModelConfig, batch: int, context: int, new_tokens: int) -> None:
+    memory.check_config(config)
+    int_at_least("batch", batch, 1)
+    int_at_least("context", context, 0)
+    int_at_least("new_tokens", new_tokens, 1)
+
+
+KV_SUB_BYTE = {"int4": 0.5, "int2": 0.25}  # packed quantized caches, scales not counted
+
+
+def kv_width(kv_dtype: str | float) -> float:
+    """Bytes per cached number: a `kvlib.memory` dtype name, ``"int4"``/``"int2"``, or a positive number."""
+    if isinstance(kv_dtype, str) and kv_dtype in KV_SUB_BYTE:
+        return KV_SUB_BYTE[kv_dtype]
+    if isinstance(kv_dtype, float) and kv_dtype > 0:
+        return kv_dtype
+    return memory.dtype_bytes(kv_dtype)
+
+
+def step_bytes(config: ModelConfig, batch: int, context: int, new_tokens: int = 1,
+               dtype: str | int = "fp32", kv_dtype: str | float | None = None) -> dict[str, int]:
+    """Bytes one forward step moves: ``batch`` sequences, each with ``context`` tokens
+    cached, each adding ``new_tokens`` (1 for a decode step; a prefill is ``context=0,
+    new_tokens=T``).
+
+    ``weights`` is read once per step whatever the batch (`decode_bytes_per_token`'s
+    weight terms); ``kv_read`` is every cached key and value, ``kv_write`` the new ones,
+    both per sequence. A decode step's total equals ``decode_bytes_per_token``.
+    """
+    _check_step(config, batch, context, new_tokens)
+    width = memory.dtype_bytes(dtype)
+    weights = memory.matrix_params(config) + (2 * config.n_layer + 1) * config.d_model
+    rows = 0 if config.tie_embeddings else batch * new_tokens * config.d_model  # embedding lookups
+    kv = kv_width(dtype if kv_dtype is None else kv_dtype)
+    out = {
+        "weights": (weights + rows) * width,
+        "kv_read": round(memory.kv_cache_bytes(config, context, batch, 1) * kv),  # numbers x bytes each
+        "kv_write": round(memory.kv_cache_bytes(config, new_tokens, batch, 1) * kv),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def step_flops(config: ModelConfig, batch: int, context: int, new_tokens: int = 1) -> dict[str, int]:
+    """FLOPs of the same step, split as the roofline needs them.
+
+    ``matmul``: every new token through every block's matrices (``batch * new_tokens``
+    rows), and the lm_head for the last token of each sequence only (``batch`` rows,
+    as `kvlib.generate` computes). ``attention``: scores and the weighted sum, new token
+    ``i`` seeing ``context + i + 1`` keys. Their sum equals `cached_flops` and
+    `flops_per_token` where those count the same positions.
+    """
+    _check_step(config, batch, context, new_tokens)
+    body = 2 * memory.matrix_params(config, lm_head=False)
+    head = 2 * config.d_model * config.vocab_size
+    keys = new_tokens * context + new_tokens * (new_tokens + 1) // 2  # sum_{i<T} (context + i + 1)
+    out = {
+        "matmul": batch * (new_tokens * body + head),
+        "attention": batch * 2 * 2 * config.n_layer * config.n_head * config.head_dim * keys,
+    }
+    out["total"] = out["matmul"] + out["attention"]
+    return out
+
+
+def intensity(config: ModelConfig, batch: int, context: int, new_tokens: int = 1,
+              dtype: str | int = "fp32", kv_dtype: str | float | None = None) -> dict[str, float]:
+    """Arithmetic intensity (FLOPs per byte moved) of the whole step, its matmuls
+    (against the weights) and its attention (against the cache).
+
+    The matmuls do ``2 * batch * new_tokens`` FLOPs per weight they read, so batching
+    raises their intensity; attention does about ``2 * n_head / n_kv_head`` FLOPs per
+    cached element whatever the batch, because every sequence reads its own cache.
+    """
+    b = step_bytes(config, batch, context, new_tokens, dtype, kv_dtype)
+    f = step_flops(config, batch, context, new_tokens)
+    return {
+        "step": f["total"] / b["total"],
+        "matmul": f["matmul"] / b["weights"],
+        "attention": f["attention"] / (b["kv_read"] + b["kv_write"]),
+    }
+
+
+def crossover_context(config: ModelConfig, batch: int = 1, dtype: str | int = "fp32",
+                      kv_dtype: str | float | None = None) -> float:
+    """The context at which a decode step reads as many cache bytes as weight bytes.
+
+    ``weights / (batch * kv_bytes_per_token)``: the weights are read once per step,
+    the cache once per sequence, so batching pulls the crossover in by ``batch``.
+    """
+    int_at_least("batch", batch, 1)
+    weights = step_bytes(config, 1, 0, 1, dtype)["weights"]
+    per_token = memory.kv_cache_bytes(config, 1, 1, 1) * kv_width(dtype if kv_dtype is None else kv_dtype)
+    return weights / (batch * per_token)

@@ -1,0 +1,336 @@
+"""What a step costs in time: a roofline model of a forward step, and the machines it runs on.
+
+A step must read every weight once and every cached key and value once, and it
+must do its FLOPs. Neither can go faster than the hardware allows, so::
+
+    step time  >=  max(bytes / mem_bandwidth,  FLOPs / peak_flops)        (the roofline)
+
+`step_time` refines that bound the way the step really runs, one kernel after
+another, each on its own roof, plus the fixed cost of launching them::
+
+    overhead(batch)                         Python and kernel launches, measured
+    + matmul FLOPs / attainable(rows)       rows = batch * new_tokens share each weight
+    + max(KV bytes / attention bandwidth, attention FLOPs / peak)
+
+A spec-sheet `Hardware` preset knows only its bandwidth and peaks, so its matmul
+roof is the ideal ``min(peak, rows * 2 / dtype_bytes * bandwidth)``; `measure`
+profiles the machine you run on, and records what its kernels actually attain.
+Bandwidths are bytes/s, peaks FLOP/s, memory bytes (decimal units, as spec sheets).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from . import cost, memory
+from .attention import attend
+from .cache import StaticCache
+from .config import ModelConfig
+from .generate import decode_step
+from .model import Transformer
+from .validate import int_at_least, positive_int
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (or CPU) as the roofline sees it.
+
+    ``overhead`` and ``overhead_per_seq`` (seconds per step, and per sequence in it),
+    ``matmul_rows`` (rows -> FLOP/s a weight matmul attains) and
+    ``attention_rows`` (batch -> bytes/s attention attains reading the cache) are filled
+    by `measure`; a spec-sheet preset leaves them empty and gets the ideal roofs.
+    """
+
+    name: str
+    mem_bandwidth: float
+    peak_flops: Mapping[str, float]
+    memory: float
+    source: str
+    overhead: float = 0.0
+    overhead_per_seq: float = 0.0
+    matmul_rows: Mapping[int, float] = field(default_factory=dict)
+    attention_rows: Mapping[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("mem_bandwidth", "memory"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"Hardware.{name} must be a positive number, got {v!r}")
+        if not self.peak_flops:
+            raise ValueError(f"Hardware {self.name!r} needs at least one peak_flops entry")
+        for dt, v in self.peak_flops.items():
+            memory.dtype_bytes(dt)  # a known dtype name
+            if not v > 0:
+                raise ValueError(f"Hardware {self.name!r}: peak_flops[{dt!r}] must be positive, got {v!r}")
+        if not self.source:
+            raise ValueError(f"Hardware {self.name!r} needs a source for its numbers")
+        for v in (self.overhead, self.overhead_per_seq, *self.matmul_rows.values(), *self.attention_rows.values()):
+            if v < 0:
+                raise ValueError(f"Hardware {self.name!r}: measured values must be >= 0, got {v!r}")
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s at ``dtype``; ``ValueError`` if this hardware lists none for it."""
+        memory.dtype_bytes(dtype)
+        if dtype not in self.peak_flops:
+            raise ValueError(f"{self.name} has no peak for {dtype!r}; it lists {sorted(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+    def ridge(self, dtype: str) -> float:
+        """The intensity (FLOPs per byte) where the two roofs meet: below it, memory sets the pace."""
+        return self.peak(dtype) / self.mem_bandwidth
+
+    def attainable(self, intensity: float, dtype: str) -> float:
+        """FLOP/s the roofline allows a kernel of ``intensity`` FLOPs per byte."""
+        if not intensity > 0:
+            raise ValueError(f"intensity must be positive, got {intensity!r}")
+        return min(self.peak(dtype), intensity * self.mem_bandwidth)
+
+    def matmul_flops(self, rows: int, dtype: str) -> float:
+        """FLOP/s of a weight matmul with ``rows`` rows sharing each weight.
+
+        Measured points are interpolated in log(rows); past the last one the rate
+        stays there. With none measured, the ideal roof at intensity ``2 rows / width``.
+        """
+        positive_int("rows", rows)
+        if not self.matmul_rows:
+            return self.attainable(2 * rows / memory.dtype_bytes(dtype), dtype)
+        self.peak(dtype)
+        return _interpolate(self.matmul_rows, rows)
+
+    def attention_bandwidth(self, batch: int) -> float:
+        """Bytes/s attention attains reading ``batch`` sequences' caches: measured
+        (interpolated like `matmul_flops`), else the memory bandwidth."""
+        positive_int("batch", batch)
+        return _interpolate(self.attention_rows, batch) if self.attention_rows else self.mem_bandwidth
+
+
+def _interpolate(points: Mapping[int, float], x: int) -> float:
+    """Linear in log(x) between measured points; scaled with x below the first, flat past the last."""
+    pts = sorted(points.items())
+    if x <= pts[0][0]:
+        return pts[0][1] * x / pts[0][0]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return pts[-1][1]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's predicted time (seconds), by part; ``bound`` is the bare roofline."""
+
+    overhead: float
+    matmul: float
+    attention: float
+    bound: float
+    bytes: int
+    flops: int
+    ridge: float
+
+    @property
+    def total(self) -> float:
+        return self.overhead + self.matmul + self.attention
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte of the whole step."""
+        return self.flops / self.bytes
+
+    @property
+    def memory_bound(self) -> bool:
+        """True when bytes, not FLOPs, set the bare roofline (intensity below the ridge)."""
+        return self.intensity < self.ridge
+
+
+def step_time(config: ModelConfig, hw: Hardware, batch: int = 1, context: int = 0, new_tokens: int = 1,
+              dtype: str = "fp16", kv_dtype: str | float | None = None) -> StepTime:
+    """Predicted seconds of one forward step on ``hw``: ``batch`` sequences with
+    ``context`` tokens cached, each adding ``new_tokens`` (a decode step is 1; a
+    prefill of T tokens is ``context=0, new_tokens=T``), weights at ``dtype`` and the
+    cache at ``kv_dtype`` (default ``dtype``). Attention runs at ``dtype``'s peak.
+    """
+    if not isinstance(hw, Hardware):
+        raise TypeError(f"hw must be a Hardware, got {type(hw).__name__}")
+    peak = hw.peak(dtype)
+    b = cost.step_bytes(config, batch, context, new_tokens, dtype, kv_dtype)
+    f = cost.step_flops(config, batch, context, new_tokens)
+    kv = b["kv_read"] + b["kv_write"]
+    attn_bw = min(hw.attention_bandwidth(batch), hw.mem_bandwidth)
+    matmul = max(f["matmul"] / hw.matmul_flops(batch * new_tokens, dtype), b["weights"] / hw.mem_bandwidth)
+    return StepTime(
+        overhead=hw.overhead + hw.overhead_per_seq * batch,
+        matmul=matmul,
+        attention=max(kv / attn_bw, f["attention"] / peak),
+        bound=max(b["total"] / hw.mem_bandwidth, f["total"] / peak),
+        bytes=b["total"],
+        flops=f["total"],
+        ridge=hw.ridge(dtype),
+    )
+
+
+# -- spec sheets --------------------------------------------------------------------------------
+# Dense peaks (NVIDIA also quotes "with sparsity" figures, twice these). Bandwidth and memory
+# as the sheet states them, in decimal units.
+_T = 1e12
+HARDWARE: dict[str, Hardware] = {
+    "h200": Hardware(
+        "NVIDIA H200 SXM", 4.8e12, {"fp32": 67 * _T, "fp16": 989.4 * _T, "bf16": 989.4 * _T,
+                                    "fp8": 1978.9 * _T, "int8": 1978.9 * _T}, 141e9,
+        "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (dense)"),
+    "h100": Hardware(
+        "NVIDIA H100 SXM", 3.35e12, {"fp32": 67 * _T, "fp16": 989.4 * _T, "bf16": 989.4 * _T,
+                                     "fp8": 1978.9 * _T, "int8": 1978.9 * _T}, 80e9,
+        "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense)"),
+    "a100": Hardware(
+        "NVIDIA A100 80GB SXM", 2.039e12, {"fp32": 19.5 * _T, "fp16": 312 * _T, "bf16": 312 * _T,
+                                           "int8": 624 * _T}, 80e9,
+        "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense)"),
+    "l4": Hardware(
+        "NVIDIA L4", 300e9, {"fp32": 30.3 * _T, "fp16": 121 * _T, "bf16": 121 * _T, "fp8": 242.5 * _T,
+                             "int8": 242.5 * _T}, 24e9,
+        "NVIDIA L4 Tensor Core GPU datasheet (dense: half the sparsity figures)"),
+    "t4": Hardware(
+        "NVIDIA T4 (Colab's free GPU)", 320e9, {"fp32": 8.1 * _T, "fp16": 65 * _T, "int8": 130 * _T}, 16e9,
+        "NVIDIA T4 Tensor Core GPU datasheet (mixed-precision FP16/FP32 peak)"),
+    "rtx4090": Hardware(
+        "NVIDIA GeForce RTX 4090", 1008e9, {"fp32": 82.6 * _T, "fp16": 165.2 * _T, "bf16": 165.2 * _T},
+        24e9,
+        "NVIDIA Ada Lovelace architecture whitepaper, appendix A (FP16 tensor with FP32 accumulate, dense)"),
+    "m2": Hardware(
+        "Apple M2 (GPU)", 100e9, {"fp32": 3.6 * _T}, 24e9,
+        "Apple newsroom, 'Apple unveils M2', June 2022 (100 GB/s unified memory, 3.6 TFLOPS GPU, up to 24 GB)"),
+}
+
+
+# -- measuring the machine you are on -------------------------------------------------------------
+def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+    """Fastest of ``repeats`` timed calls after one warm-up: noise only ever adds time."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best
+
+
+def _matrices(config: ModelConfig | None, nbytes: int, dtype: torch.dtype, device: torch.device) -> list:
+    """Matrices totalling at least ``nbytes``, in kvlib's ``(in, out)`` layout.
+
+    With a config: its blocks' four matrices, as many blocks as ``nbytes`` needs (up
+    to all ``n_layer``), and its lm_head, so the mix of shapes is the model's own.
+    Without: copies of a generic ``(1024, 4096)`` and ``(4096, 1024)`` pair.
+    """
+    width = torch.empty((), dtype=dtype).element_size()
+    if config is None:
+        block, head, most = [(1024, 4096), (4096, 1024)], [], None
+    else:
+        d, ff = config.d_model, config.d_ff
+        qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim
+        block, head = [(d, qkv), (config.n_head * config.head_dim, d), (d, 2 * ff), (ff, d)], [(d, config.vocab_size)]
+        most = config.n_layer
+    per_block = sum(i * o for i, o in block) * width
+    rest = nbytes - sum(i * o for i, o in head) * width
+    blocks = max(1, -(-rest // per_block))
+    if most is not None:
+        blocks = min(blocks, most)
+    return [torch.full(s, 0.01, dtype=dtype, device=device) for s in block * blocks + head]
+
+
+def _overhead(config: ModelConfig, batches: tuple[int, int], dtype: torch.dtype, device: torch.device,
+              best: Callable) -> tuple[float, float]:
+    """Seconds of a decode step of ``config``'s depth and head counts with every tensor tiny
+    (head_dim 2, d_ff 8, vocab 64): all the launching, none of the arithmetic. Fitted
+    ``a + b * batch`` through two batch sizes."""
+    tiny = config.replace(d_model=2 * config.n_head, head_dim=2, d_ff=8, vocab_size=64, tie_embeddings=True)
+    model = Transformer(tiny).to(device=device, dtype=dtype).eval()
+    times = []
+    for batch in batches:
+        cache = StaticCache.for_model(tiny, batch, 17, dtype=dtype, device=device)
+        cache.lengths = [16] * tiny.n_layer  # 16 cached tokens (zeros: values do not change the time)
+        tok = torch.zeros(batch, dtype=torch.long, device=device)
+        times.append(best(lambda: (decode_step(model, tok, cache), cache.crop(16))))
+    per_seq = max(0.0, (times[1] - times[0]) / (batches[1] - batches[0]))
+    return max(0.0, times[0] - per_seq * batches[0]), per_seq
+
+
+def _memory_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@torch.no_grad()
+def measure(config: ModelConfig | None = None, dtype: str = "fp32", device: str | torch.device | None = None, *,
+            rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32), nbytes: int = 512 * 2**20,
+            repeats: int = 3) -> Hardware:
+    """Profile the machine running this: a `Hardware` whose numbers are measured, not quoted.
+
+    * ``mem_bandwidth``: bytes/s of one vector times matrices totalling ``nbytes``
+      (more than a CPU's last-level cache, so they stream from memory);
+    * ``matmul_rows``: FLOP/s of the same matrices times ``rows`` rows each;
+    * ``peak_flops[dtype]``: a 2048-square matrix product;
+    * with a ``config``: the matrices are its own (`_matrices`), ``attention_rows``
+      is kvlib's attention reading caches of its head shape at each batch in ``rows``, and ``overhead`` (plus
+      ``overhead_per_seq``) is a decode step of its depth with tiny tensors.
+
+    Takes a few seconds and ``nbytes`` (twice, briefly) of memory.
+    """
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"measure() runs torch dtypes {sorted(TORCH_DTYPES)}, got {dtype!r}")
+    for r in rows:
+        positive_int("rows", r)
+    int_at_least("nbytes", nbytes, 2**20)
+    positive_int("repeats", repeats)
+    if config is not None:
+        memory.check_config(config)
+    dev = torch.device(device if device is not None else "cpu")
+    tdt, width = TORCH_DTYPES[dtype], memory.dtype_bytes(dtype)
+    best = _timer(dev, repeats)
+    mats = _matrices(config, nbytes, tdt, dev)
+    total = sum(w.numel() for w in mats)
+    curve = {}
+    for m in sorted(set(rows) | {1}):
+        xs = {w.shape[0]: torch.full((m, w.shape[0]), 0.01, dtype=tdt, device=dev) for w in mats}  # (m, in)
+        curve[m] = 2 * m * total / best(lambda: [xs[w.shape[0]] @ w for w in mats])
+    bandwidth = curve[1] * width / 2  # one row: 2 FLOPs per weight read, so bytes/s = FLOP/s * width / 2
+    del mats
+    a = torch.full((2048, 2048), 0.01, dtype=tdt, device=dev)
+    peak = 2 * 2048**3 / best(lambda: a @ a)
+    del a
+    overhead = per_seq = 0.0
+    attn = {}
+    if config is not None:
+        H, Hkv, D, L = config.n_head, config.n_kv_head, config.head_dim, config.n_layer
+        for b in sorted(set(rows)):
+            S = min(max(1, nbytes // (2 * L * b * Hkv * D * width)), config.max_seq_len)  # caches total nbytes
+            q = torch.full((b, H, 1, D), 0.01, dtype=tdt, device=dev)
+            kv = [torch.full((b, Hkv, S, D), 0.01, dtype=tdt, device=dev) for _ in range(2 * L)]
+            attn[b] = sum(x.nbytes for x in kv) / best(lambda: [attend(q, kv[2 * i], kv[2 * i + 1], None)
+                                                                 for i in range(L)])
+            del kv
+        overhead, per_seq = _overhead(config, (1, max(rows)), tdt, dev, best)
+    if dev.type == "cuda":
+        name = f"{torch.cuda.get_device_name(dev)} (measured)"
+    else:
+        name = f"this CPU, {torch.get_num_threads()} threads (measured)"
+    return Hardware(
+        name=name, mem_bandwidth=bandwidth, peak_flops={dtype: max(peak, *curve.values())},
+        memory=_memory_bytes(dev), source=f"kvlib.hardware.measure() on {time.strftime('%Y-%m-%d')}",
+        overhead=overhead, overhead_per_seq=per_seq, matmul_rows=curve, attention_rows=attn,
+    )

@@ -1,0 +1,169 @@
+"""The roofline model: byte and FLOP counts against hand counts, the presets, and bad input."""
+
+import math
+
+import pytest
+import torch
+
+from kvlib import PRESETS, Transformer, cost, memory
+from kvlib.hardware import HARDWARE, Hardware, StepTime, measure, step_time
+
+SMALL = [
+    PRESETS["tiny"],  # MHA, untied embeddings
+    PRESETS["tiny"].replace(n_kv_head=2, tie_embeddings=True),  # GQA, tied
+    PRESETS["smollm2-135m"],
+]
+
+
+def hand_bytes(c, batch, context, new, width):
+    """Count from the model's own parameters and the cache's own tensors, not from kvlib.memory."""
+    model = Transformer(c, device="meta")
+    weights = sum(p.numel() for p in model.parameters())
+    if not c.tie_embeddings:  # the embedding table is only looked up: one row per new token
+        weights -= c.vocab_size * c.d_model
+        weights += batch * new * c.d_model
+    per_token = 0
+    for _ in range(c.n_layer):
+        per_token += 2 * c.n_kv_head * c.head_dim  # one key and one value vector per KV head
+    return weights * width, batch * context * per_token * width, batch * new * per_token * width
+
+
+def hand_flops(c, batch, context, new):
+    """Walk every new token of every sequence through every Linear of the model."""
+    model = Transformer(c, device="meta")
+    body = sum(2 * m.weight.shape[0] * m.weight.shape[1] for name, m in model.named_modules()
+               if type(m).__name__ == "Linear" and name != "lm_head")
+    head = 2 * c.d_model * c.vocab_size
+    matmul = attention = 0
+    for _ in range(batch):
+        for i in range(new):
+            matmul += body
+            keys = context + i + 1
+            attention += c.n_layer * c.n_head * (2 * c.head_dim * keys + 2 * keys * c.head_dim)  # q.k, then p.v
+        matmul += head  # logits for the last new token only
+    return matmul, attention
+
+
+@pytest.mark.parametrize("c", SMALL, ids=lambda c: c.name)
+@pytest.mark.parametrize("batch,context,new", [(1, 0, 1), (3, 17, 1), (2, 0, 9), (1, 5, 4)])
+@pytest.mark.parametrize("dtype,width", [("fp32", 4), ("fp16", 2)])
+def test_step_bytes_and_flops_equal_hand_counts(c, batch, context, new, dtype, width):
+    b = cost.step_bytes(c, batch, context, new, dtype)
+    assert (b["weights"], b["kv_read"], b["kv_write"]) == hand_bytes(c, batch, context, new, width)
+    assert b["total"] == b["weights"] + b["kv_read"] + b["kv_write"]
+    f = cost.step_flops(c, batch, context, new)
+    assert (f["matmul"], f["attention"]) == hand_flops(c, batch, context, new)
+
+
+@pytest.mark.parametrize("c", SMALL, ids=lambda c: c.name)
+def test_step_counts_agree_with_memory_and_the_older_cost_functions(c):
+    assert cost.step_bytes(c, 1, 40)["total"] == cost.decode_bytes_per_token(c, 40)
+    assert cost.step_bytes(c, 4, 40, dtype="fp16")["total"] == cost.decode_bytes_per_token(c, 40, "fp16", batch=4)
+    assert cost.step_bytes(c, 3, 40)["kv_read"] == memory.kv_cache_bytes(c, 40, 3, "fp32")
+    assert cost.step_flops(c, 1, 0, 12)["total"] == cost.cached_flops(c, 12, 1)  # a prefill
+    assert cost.step_flops(c, 1, 30)["total"] == cost.flops_per_token(c, 31)  # a decode step
+
+
+def test_intensity_of_matmuls_grows_with_batch_and_of_attention_does_not():
+    c = PRESETS["smollm2-135m"]
+    for batch in (1, 8, 64):
+        i = cost.intensity(c, batch, 1000, dtype="fp16")
+        # every sequence reads its own cache: 2 FLOPs per element per query head sharing it
+        assert i["attention"] == pytest.approx(2 * c.n_rep / 2)
+        # each weight is read once and used by every row; the norms dilute it by < 0.1%
+        assert i["matmul"] == pytest.approx(2 * batch / 2, rel=1e-3)
+
+
+def test_crossover_is_where_the_cache_read_equals_the_weights():
+    c = PRESETS["smollm2-135m"]
+    for batch in (1, 8):
+        s = cost.crossover_context(c, batch)
+        b = cost.step_bytes(c, batch, round(s))
+        assert b["kv_read"] == pytest.approx(b["weights"], rel=1e-3)
+    # the figures the chapter quotes: 46 KB/token against 540 MB of fp32 weights
+    assert memory.kv_bytes_per_token(c, "fp32") == 46080
+    assert 11_000 < cost.crossover_context(c, 1) < 12_500
+    assert cost.crossover_context(c, 8) == pytest.approx(cost.crossover_context(c, 1) / 8)
+
+
+@pytest.mark.parametrize("key", sorted(HARDWARE))
+def test_every_preset_has_a_source_and_positive_numbers(key):
+    hw = HARDWARE[key]
+    assert hw.source and hw.name
+    assert hw.mem_bandwidth > 0 and hw.memory > 0 and all(v > 0 for v in hw.peak_flops.values())
+    for dt, peak in hw.peak_flops.items():
+        assert hw.ridge(dt) == peak / hw.mem_bandwidth
+        assert hw.attainable(hw.ridge(dt) / 2, dt) == pytest.approx(peak / 2)
+        assert hw.attainable(hw.ridge(dt) * 2, dt) == peak
+
+
+def test_a_preset_predicts_the_ideal_roofline():
+    c, hw = PRESETS["llama-3-8b"], HARDWARE["h100"]
+    b, f = cost.step_bytes(c, 1, 1000, dtype="fp16"), cost.step_flops(c, 1, 1000)
+    t = step_time(c, hw, 1, 1000, dtype="fp16")
+    assert isinstance(t, StepTime) and t.overhead == 0
+    # batch 1 is far below the ridge: time is bytes over bandwidth, part by part
+    assert t.memory_bound
+    assert t.total == pytest.approx(b["total"] / hw.mem_bandwidth)
+    assert t.bound == pytest.approx(b["total"] / hw.mem_bandwidth)
+    # a huge prefill is compute-bound: its matmuls run at the peak
+    big = step_time(c, hw, 8, 0, 4096, dtype="fp16")
+    assert not big.memory_bound
+    assert big.matmul == pytest.approx(cost.step_flops(c, 8, 0, 4096)["matmul"] / hw.peak("fp16"))
+    assert f["total"] / b["total"] < hw.ridge("fp16") < big.intensity
+
+
+def test_measured_curves_interpolate_in_log_rows():
+    hw = Hardware("fake", 1e9, {"fp32": 100.0}, 1e9, "a test", matmul_rows={1: 10.0, 4: 40.0},
+                  attention_rows={1: 5e8, 4: 8e8})
+    assert hw.matmul_flops(1, "fp32") == 10.0
+    assert hw.matmul_flops(2, "fp32") == pytest.approx(25.0)  # log-midpoint of 1 and 4
+    assert hw.matmul_flops(64, "fp32") == 40.0  # flat past the last point
+    assert hw.attention_bandwidth(2) == pytest.approx(6.5e8)
+    assert HARDWARE["t4"].attention_bandwidth(8) == HARDWARE["t4"].mem_bandwidth
+
+
+def test_bad_input_gets_a_clear_error():
+    c = PRESETS["smollm2-135m"]
+    with pytest.raises(ValueError, match="batch"):
+        cost.step_bytes(c, -1, 10)
+    with pytest.raises(ValueError, match="context"):
+        step_time(c, HARDWARE["t4"], 1, -5)
+    with pytest.raises(ValueError, match="new_tokens"):
+        cost.step_flops(c, 1, 10, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        step_time(c, HARDWARE["t4"], dtype="fp64")
+    with pytest.raises(ValueError, match=r"no peak for 'bf16'.*'fp16'"):
+        step_time(c, HARDWARE["t4"], dtype="bf16")  # the T4 has no bf16 units
+    with pytest.raises(TypeError, match="Hardware"):
+        step_time(c, "t4")
+    with pytest.raises(ValueError, match="source"):
+        Hardware("x", 1e9, {"fp16": 1e12}, 1e9, "")
+    with pytest.raises(ValueError, match="mem_bandwidth"):
+        Hardware("x", -1.0, {"fp16": 1e12}, 1e9, "spec")
+    with pytest.raises(ValueError, match="dtype"):
+        Hardware("x", 1e9, {"fp64": 1e12}, 1e9, "spec")
+    with pytest.raises(ValueError, match="measure"):
+        measure(dtype="int8")
+
+
+def test_measure_profiles_this_machine():
+    torch.manual_seed(0)
+    c = PRESETS["tiny"]
+    hw = measure(c, nbytes=2**22, rows=(1, 2), repeats=1)
+    assert set(hw.matmul_rows) == {1, 2} and set(hw.attention_rows) == {1, 2}
+    assert hw.mem_bandwidth == pytest.approx(hw.matmul_rows[1] * 4 / 2)
+    assert hw.overhead >= 0 and hw.overhead_per_seq >= 0 and hw.overhead + hw.overhead_per_seq > 0
+    assert hw.peak("fp32") >= max(hw.matmul_rows.values())
+    t = step_time(c, hw, 2, 10, dtype="fp32")
+    assert math.isfinite(t.total) and t.total > t.overhead > 0
+
+
+def test_a_quantized_cache_moves_fewer_bytes_but_the_same_weights():
+    c = PRESETS["llama-2-7b"]
+    full, q4 = cost.step_bytes(c, 4, 2000, dtype="fp16"), cost.step_bytes(c, 4, 2000, dtype="fp16", kv_dtype="int4")
+    assert q4["weights"] == full["weights"]
+    assert q4["kv_read"] * 4 == full["kv_read"]  # 2 bytes -> half a byte per number
+    assert cost.crossover_context(c, 1, "fp16", "int4") == pytest.approx(4 * cost.crossover_context(c, 1, "fp16"))
+    with pytest.raises(ValueError, match="dtype"):
+        cost.step_bytes(c, 1, 10, kv_dtype="int3")
