@@ -66,6 +66,52 @@ def decode_stepper(model: Transformer, ids: torch.Tensor, context: int) -> Calla
     return step
 
 
+def filled_decode_stepper(model: Transformer, batch: int, context: int) -> Callable[[], None]:
+    """Like `decode_stepper`, for ``batch`` sequences, without the prefill.
+
+    A step's time does not depend on the numbers in the cache, only on how many there
+    are, so the cache is filled with a constant (written, so its memory is really
+    touched) instead of by a prefill that would take seconds at long context.
+    """
+    positive_int("batch", batch)
+    int_at_least("context", context, 0)
+    cache = StaticCache.for_model(model.config, batch, context + 1, dtype=model.dtype, device=model.device)
+    for keys, values in zip(cache.keys, cache.values):
+        keys.fill_(0.5)
+        values.fill_(0.5)
+    cache.lengths = [context] * model.config.n_layer
+    tok = torch.zeros(batch, dtype=torch.long, device=model.device)  # (B,)
+
+    def step() -> None:
+        decode_step(model, tok, cache)
+        cache.crop(context)
+
+    return step
+
+
+def round_robin(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
+    """Fastest time (seconds) of each function in ``fns``, called in turn ``repeats`` times.
+
+    Taking turns spreads a burst of noise over all of them, and the minimum keeps the
+    run least disturbed by it: noise only ever adds time.
+    """
+    int_at_least("repeats", repeats, 1)
+    int_at_least("warmup", warmup, 0)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)  # GPU work is async
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
 def decode_latency(model: Transformer, ids: torch.Tensor, context: int, steps: int = 20) -> dict:
     """Timings (seconds) of ``steps`` single decode steps at a fixed ``context``."""
     return timeit(decode_stepper(model, ids, context), warmup=2, repeats=steps)

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 
@@ -30,3 +32,37 @@ def test_decode_stepper_keeps_the_context_fixed():
         step()  # each call decodes one token and crops back to 7, so it never outgrows its 8-slot cache
     with pytest.raises(ValueError, match="context must be a positive int"):
         decode_stepper(model, torch.tensor([[1, 2, 3]]), 0)
+
+
+def test_filled_decode_stepper_keeps_the_context_and_matches_a_real_step():
+    import kvlib
+    from kvlib import PRESETS, Transformer
+    from kvlib.timing import filled_decode_stepper
+
+    model = Transformer(PRESETS["tiny"]).eval()
+    step = filled_decode_stepper(model, 3, 10)
+    for _ in range(3):
+        step()  # every call sees exactly 10 cached tokens
+    cell = step.__closure__
+    cache = next(c.cell_contents for c in cell if isinstance(c.cell_contents, kvlib.StaticCache))
+    assert cache.get_seq_length() == 10 and cache.keys[0].shape[0] == 3
+    assert torch.all(cache.keys[0][:, :, :10] == 0.5)  # the filler was really written
+
+
+def test_round_robin_keeps_the_fastest_call_of_each():
+    from kvlib.timing import round_robin
+
+    calls = {"a": [], "b": []}
+    waits = iter([0.02, 0.0, 0.0, 0.02, 0.01, 0.01])
+
+    def make(k):
+        def fn():
+            calls[k].append(1)
+            time.sleep(next(waits))
+        return fn
+
+    best = round_robin({"a": make("a"), "b": make("b")}, repeats=2, warmup=1)
+    assert len(calls["a"]) == len(calls["b"]) == 3  # taking turns
+    assert best["a"] < 0.009 and 0.009 < best["b"] < 0.05  # b's fastest timed call slept 10 ms
+    with pytest.raises(ValueError, match="repeats"):
+        round_robin({}, repeats=0)
