@@ -254,10 +254,11 @@ def _matrices(config: ModelConfig | None, nbytes: int, dtype: torch.dtype, devic
 
 def _overhead(config: ModelConfig, batches: tuple[int, int], dtype: torch.dtype, device: torch.device,
               best: Callable) -> tuple[float, float]:
-    """Seconds of a decode step of ``config``'s depth and head counts with every tensor tiny
-    (head_dim 2, d_ff 8, vocab 64): all the launching, none of the arithmetic. Fitted
-    ``a + b * batch`` through two batch sizes."""
-    tiny = config.replace(d_model=2 * config.n_head, head_dim=2, d_ff=8, vocab_size=64, tie_embeddings=True)
+    """Seconds of a decode step of ``config``'s depth, head counts and width with every
+    matrix tiny (head_dim 2, d_ff 8, vocab 64): all the launching and the work on the
+    residual stream (norms, adds), almost none of the matmuls. Fitted ``a + b * batch``
+    through two batch sizes."""
+    tiny = config.replace(head_dim=2, d_ff=8, vocab_size=64, tie_embeddings=True)
     model = Transformer(tiny).to(device=device, dtype=dtype).eval()
     times = []
     for batch in batches:
