@@ -8,7 +8,7 @@ must do its FLOPs. Neither can go faster than the hardware allows, so::
 `step_time` refines that bound the way the step really runs, one kernel after
 another, each on its own roof, plus the fixed cost of launching them::
 
-    overhead(batch)                         Python and kernel launches, measured
+    overhead(rows)                          Python, launches, norms: measured
     + matmul FLOPs / attainable(rows)       rows = batch * new_tokens share each weight
     + max(KV bytes / attention bandwidth, attention FLOPs / peak)
 
@@ -24,7 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,7 +33,7 @@ from .attention import attend
 from .cache import StaticCache
 from .config import ModelConfig
 from .generate import decode_step
-from .model import Transformer
+from .model import Linear, Transformer
 from .validate import int_at_least, positive_int
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -43,7 +43,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 class Hardware:
     """One accelerator (or CPU) as the roofline sees it.
 
-    ``overhead`` and ``overhead_per_seq`` (seconds per step, and per sequence in it),
+    ``overhead`` and ``overhead_per_row`` (seconds per step, and per token row in it),
     ``matmul_rows`` (rows -> FLOP/s a weight matmul attains) and
     ``attention_rows`` (batch -> bytes/s attention attains reading the cache) are filled
     by `measure`; a spec-sheet preset leaves them empty and gets the ideal roofs.
@@ -55,7 +55,7 @@ class Hardware:
     memory: float
     source: str
     overhead: float = 0.0
-    overhead_per_seq: float = 0.0
+    overhead_per_row: float = 0.0
     matmul_rows: Mapping[int, float] = field(default_factory=dict)
     attention_rows: Mapping[int, float] = field(default_factory=dict)
 
@@ -72,7 +72,7 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name!r}: peak_flops[{dt!r}] must be positive, got {v!r}")
         if not self.source:
             raise ValueError(f"Hardware {self.name!r} needs a source for its numbers")
-        for v in (self.overhead, self.overhead_per_seq, *self.matmul_rows.values(), *self.attention_rows.values()):
+        for v in (self.overhead, self.overhead_per_row, *self.matmul_rows.values(), *self.attention_rows.values()):
             if v < 0:
                 raise ValueError(f"Hardware {self.name!r}: measured values must be >= 0, got {v!r}")
 
@@ -166,7 +166,7 @@ def step_time(config: ModelConfig, hw: Hardware, batch: int = 1, context: int = 
     attn_bw = min(hw.attention_bandwidth(batch), hw.mem_bandwidth)
     matmul = max(f["matmul"] / hw.matmul_flops(batch * new_tokens, dtype), b["weights"] / hw.mem_bandwidth)
     return StepTime(
-        overhead=hw.overhead + hw.overhead_per_seq * batch,
+        overhead=hw.overhead + hw.overhead_per_row * batch * new_tokens,
         matmul=matmul,
         attention=max(kv / attn_bw, f["attention"] / peak),
         bound=max(b["total"] / hw.mem_bandwidth, f["total"] / peak),
@@ -252,22 +252,42 @@ def _matrices(config: ModelConfig | None, nbytes: int, dtype: torch.dtype, devic
     return [torch.full(s, 0.01, dtype=dtype, device=device) for s in block * blocks + head]
 
 
+def _sweep(mats: list[torch.Tensor], rows: int) -> Callable[[], list]:
+    """A function multiplying ``rows`` rows into each matrix of ``mats`` in turn (kvlib's ``x @ W``)."""
+    xs = {w.shape[0]: torch.full((rows, w.shape[0]), 0.01, dtype=w.dtype, device=w.device) for w in mats}
+    return lambda: [xs[w.shape[0]] @ w for w in mats]  # each (rows, in) @ (in, out)
+
+
+def _step_timer(config: ModelConfig, batch: int, dtype: torch.dtype, device: torch.device,
+                best: Callable) -> tuple[float, Transformer]:
+    """Fastest decode step (seconds) of a random-weight model of ``config``, 16 tokens cached."""
+    model = Transformer(config).to(device=device, dtype=dtype).eval()
+    cache = StaticCache.for_model(config, batch, 17, dtype=dtype, device=device)
+    cache.lengths = [16] * config.n_layer  # zeros: the numbers do not change the time
+    tok = torch.zeros(batch, dtype=torch.long, device=device)
+    return best(lambda: (decode_step(model, tok, cache), cache.crop(16))), model
+
+
 def _overhead(config: ModelConfig, batches: tuple[int, int], dtype: torch.dtype, device: torch.device,
-              best: Callable) -> tuple[float, float]:
-    """Seconds of a decode step of ``config``'s depth, head counts and width with every
-    matrix tiny (head_dim 2, d_ff 8, vocab 64): all the launching and the work on the
-    residual stream (norms, adds), almost none of the matmuls. Fitted ``a + b * batch``
-    through two batch sizes."""
+              best: Callable, nbytes: int) -> tuple[float, float]:
+    """The time a decode step spends outside its matmuls: ``(fixed, per token row)`` seconds.
+
+    Both come from models of ``config``'s depth, head counts and width. The per-row part
+    is the slope between two batch sizes with every matrix tiny (head_dim 2, d_ff 8,
+    vocab 64). The fixed part is measured *in place*: with MLP matrices big enough to
+    stream from memory (up to ``nbytes``), a step minus those same matmuls timed alone
+    (the intercept of step time against the bytes it streams). Between big matrices the
+    small ops (norms, adds, launches) find their data evicted from the caches, and on
+    CPUs we measured that doubled their cost against the all-tiny model.
+    """
     tiny = config.replace(head_dim=2, d_ff=8, vocab_size=64, tie_embeddings=True)
-    model = Transformer(tiny).to(device=device, dtype=dtype).eval()
-    times = []
-    for batch in batches:
-        cache = StaticCache.for_model(tiny, batch, 17, dtype=dtype, device=device)
-        cache.lengths = [16] * tiny.n_layer  # 16 cached tokens (zeros: values do not change the time)
-        tok = torch.zeros(batch, dtype=torch.long, device=device)
-        times.append(best(lambda: (decode_step(model, tok, cache), cache.crop(16))))
-    per_seq = max(0.0, (times[1] - times[0]) / (batches[1] - batches[0]))
-    return max(0.0, times[0] - per_seq * batches[0]), per_seq
+    times = [_step_timer(tiny, b, dtype, device, best)[0] for b in batches]
+    per_row = max(0.0, (times[1] - times[0]) / (batches[1] - batches[0]))
+    width = torch.empty((), dtype=dtype).element_size()
+    d_ff = max(8, min(config.d_ff, nbytes // (3 * config.d_model * config.n_layer * width)))
+    t_step, model = _step_timer(tiny.replace(d_ff=d_ff), 1, dtype, device, best)
+    t_mm = best(_sweep([m.weight for m in model.modules() if isinstance(m, Linear)], 1))
+    return max(0.0, t_step - t_mm - per_row), per_row
 
 
 def _memory_bytes(device: torch.device) -> float:
@@ -286,9 +306,10 @@ def measure(config: ModelConfig | None = None, dtype: str = "fp32", device: str 
       (more than a CPU's last-level cache, so they stream from memory);
     * ``matmul_rows``: FLOP/s of the same matrices times ``rows`` rows each;
     * ``peak_flops[dtype]``: a 2048-square matrix product;
-    * with a ``config``: the matrices are its own (`_matrices`), ``attention_rows``
-      is kvlib's attention reading caches of its head shape at each batch in ``rows``, and ``overhead`` (plus
-      ``overhead_per_seq``) is a decode step of its depth with tiny tensors.
+    * with a ``config``: the matrices are its own (`_matrices`); ``attention_rows`` is
+      kvlib's attention reading caches of its head shape at each batch in ``rows``; and
+      ``overhead`` (plus ``overhead_per_row``) is what a step of its depth and width
+      spends outside its matmuls (see `_overhead`).
 
     Takes a few seconds and ``nbytes`` (twice, briefly) of memory.
     """
@@ -305,16 +326,13 @@ def measure(config: ModelConfig | None = None, dtype: str = "fp32", device: str 
     best = _timer(dev, repeats)
     mats = _matrices(config, nbytes, tdt, dev)
     total = sum(w.numel() for w in mats)
-    curve = {}
-    for m in sorted(set(rows) | {1}):
-        xs = {w.shape[0]: torch.full((m, w.shape[0]), 0.01, dtype=tdt, device=dev) for w in mats}  # (m, in)
-        curve[m] = 2 * m * total / best(lambda: [xs[w.shape[0]] @ w for w in mats])
+    curve = {m: 2 * m * total / best(_sweep(mats, m)) for m in sorted(set(rows) | {1})}
     bandwidth = curve[1] * width / 2  # one row: 2 FLOPs per weight read, so bytes/s = FLOP/s * width / 2
     del mats
     a = torch.full((2048, 2048), 0.01, dtype=tdt, device=dev)
     peak = 2 * 2048**3 / best(lambda: a @ a)
     del a
-    overhead = per_seq = 0.0
+    overhead = per_row = 0.0
     attn = {}
     if config is not None:
         H, Hkv, D, L = config.n_head, config.n_kv_head, config.head_dim, config.n_layer
@@ -325,7 +343,7 @@ def measure(config: ModelConfig | None = None, dtype: str = "fp32", device: str 
             attn[b] = sum(x.nbytes for x in kv) / best(lambda: [attend(q, kv[2 * i], kv[2 * i + 1], None)
                                                                  for i in range(L)])
             del kv
-        overhead, per_seq = _overhead(config, (1, max(rows)), tdt, dev, best)
+        overhead, per_row = _overhead(config, (1, max(rows)), tdt, dev, best, nbytes)
     if dev.type == "cuda":
         name = f"{torch.cuda.get_device_name(dev)} (measured)"
     else:
@@ -333,5 +351,36 @@ def measure(config: ModelConfig | None = None, dtype: str = "fp32", device: str 
     return Hardware(
         name=name, mem_bandwidth=bandwidth, peak_flops={dtype: max(peak, *curve.values())},
         memory=_memory_bytes(dev), source=f"kvlib.hardware.measure() on {time.strftime('%Y-%m-%d')}",
-        overhead=overhead, overhead_per_seq=per_seq, matmul_rows=curve, attention_rows=attn,
+        overhead=overhead, overhead_per_row=per_row, matmul_rows=curve, attention_rows=attn,
+    )
+
+
+def fastest(*profiles: Hardware) -> Hardware:
+    """One profile from several `measure` runs of the same machine, each number at its best.
+
+    Noise on a shared machine only ever makes a measurement slower, so the best of
+    profiles taken at different times (say, before and after the timings they must
+    predict) is the closest to what the machine can do: the highest bandwidths and
+    FLOP rates, the lowest overheads.
+    """
+    if not profiles or not all(isinstance(p, Hardware) for p in profiles):
+        raise TypeError(f"fastest() takes Hardware profiles, got {[type(p).__name__ for p in profiles]}")
+    first = profiles[0]
+    for p in profiles[1:]:
+        if (set(p.peak_flops), set(p.matmul_rows), set(p.attention_rows)) != (
+                set(first.peak_flops), set(first.matmul_rows), set(first.attention_rows)):
+            raise ValueError("fastest() needs profiles measured alike (same dtypes, rows and batches)")
+
+    def top(attr: str) -> dict:
+        return {k: max(getattr(p, attr)[k] for p in profiles) for k in getattr(first, attr)}
+
+    return replace(
+        first,
+        mem_bandwidth=max(p.mem_bandwidth for p in profiles),
+        peak_flops=top("peak_flops"),
+        overhead=min(p.overhead for p in profiles),
+        overhead_per_row=min(p.overhead_per_row for p in profiles),
+        matmul_rows=top("matmul_rows"),
+        attention_rows=top("attention_rows"),
+        source=f"{first.source}, best of {len(profiles)} profiles",
     )

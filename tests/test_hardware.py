@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlib import PRESETS, Transformer, cost, memory
-from kvlib.hardware import HARDWARE, Hardware, StepTime, measure, step_time
+from kvlib.hardware import HARDWARE, Hardware, StepTime, fastest, measure, step_time
 
 SMALL = [
     PRESETS["tiny"],  # MHA, untied embeddings
@@ -153,7 +153,7 @@ def test_measure_profiles_this_machine():
     hw = measure(c, nbytes=2**22, rows=(1, 2), repeats=1)
     assert set(hw.matmul_rows) == {1, 2} and set(hw.attention_rows) == {1, 2}
     assert hw.mem_bandwidth == pytest.approx(hw.matmul_rows[1] * 4 / 2)
-    assert hw.overhead >= 0 and hw.overhead_per_seq >= 0 and hw.overhead + hw.overhead_per_seq > 0
+    assert hw.overhead >= 0 and hw.overhead_per_row >= 0 and hw.overhead + hw.overhead_per_row > 0
     assert hw.peak("fp32") >= max(hw.matmul_rows.values())
     t = step_time(c, hw, 2, 10, dtype="fp32")
     assert math.isfinite(t.total) and t.total > t.overhead > 0
@@ -167,3 +167,27 @@ def test_a_quantized_cache_moves_fewer_bytes_but_the_same_weights():
     assert cost.crossover_context(c, 1, "fp16", "int4") == pytest.approx(4 * cost.crossover_context(c, 1, "fp16"))
     with pytest.raises(ValueError, match="dtype"):
         cost.step_bytes(c, 1, 10, kv_dtype="int3")
+
+
+def test_fastest_keeps_each_number_at_its_best():
+    slow = Hardware("cpu", 1e9, {"fp32": 10.0}, 1e9, "m1", overhead=0.004, overhead_per_row=1e-4,
+                    matmul_rows={1: 5.0, 8: 20.0}, attention_rows={1: 4e8})
+    fast = Hardware("cpu", 2e9, {"fp32": 8.0}, 1e9, "m2", overhead=0.006, overhead_per_row=5e-5,
+                    matmul_rows={1: 6.0, 8: 15.0}, attention_rows={1: 3e8})
+    best = fastest(slow, fast)
+    assert best.mem_bandwidth == 2e9 and best.peak("fp32") == 10.0
+    assert best.overhead == 0.004 and best.overhead_per_row == 5e-5
+    assert best.matmul_rows == {1: 6.0, 8: 20.0} and best.attention_rows == {1: 4e8}
+    assert step_time(PRESETS["tiny"], best, 2, 8, dtype="fp32").total <= min(
+        step_time(PRESETS["tiny"], h, 2, 8, dtype="fp32").total for h in (slow, fast))
+    with pytest.raises(ValueError, match="alike"):
+        fastest(slow, Hardware("cpu", 1e9, {"fp32": 1.0}, 1e9, "m3", matmul_rows={1: 1.0}))
+    with pytest.raises(TypeError, match="Hardware"):
+        fastest(slow, "fast")
+
+
+def test_prefill_overhead_counts_every_row():
+    hw = Hardware("cpu", 1e9, {"fp32": 1e12}, 1e9, "m", overhead=0.01, overhead_per_row=1e-4)
+    c = PRESETS["tiny"]
+    assert step_time(c, hw, 2, 0, 50, dtype="fp32").overhead == pytest.approx(0.01 + 100 * 1e-4)
+    assert step_time(c, hw, 4, 10, dtype="fp32").overhead == pytest.approx(0.01 + 4 * 1e-4)
