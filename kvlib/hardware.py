@@ -365,9 +365,9 @@ def fastest(*profiles: Hardware) -> Hardware:
     """One profile from several `measure` runs of the same machine, each number at its best.
 
     Noise on a shared machine only ever makes a measurement slower, so the best of
-    profiles taken at different times (say, before and after the timings they must
-    predict) is the closest to what the machine can do: the highest bandwidths and
-    FLOP rates, the lowest overheads.
+    profiles taken at different times (chapter 5 takes them in turns with the timings
+    they must predict) is the closest to what the machine can do: the highest
+    bandwidths and FLOP rates, the lowest overheads.
     """
     if not profiles or not all(isinstance(p, Hardware) for p in profiles):
         raise TypeError(f"fastest() takes Hardware profiles, got {[type(p).__name__ for p in profiles]}")
