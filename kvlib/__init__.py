@@ -16,8 +16,8 @@ Everything else lives in its module, one idea each: `kvlib.blocks`, `kvlib.paged
 `kvlib.engine`, `kvlib.memory`, `kvlib.simulate`, `kvlib.cost`, `kvlib.hardware`, `kvlib.quant`,
 `kvlib.gqa`, `kvlib.mla`, `kvlib.padding`, `kvlib.evaluate`, `kvlib.data`,
 `kvlib.timing`, `kvlib.check`, `kvlib.validate` (all importable after ``import kvlib``),
-and `kvlib.plot`, `kvlib.explorer`, `kvlib.bench`, which pull in plotting, widgets
-or Hugging Face and are imported on their own.
+and `kvlib.plot`, `kvlib.diagrams`, `kvlib.explorer`, `kvlib.bench`, which pull in plotting,
+widgets or Hugging Face and are imported on their own.
 """
 
 from . import (  # noqa: F401  (the modules, so that kvlib.memory etc. work after `import kvlib`)

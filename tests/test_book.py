@@ -76,10 +76,38 @@ def test_every_glued_name_in_the_prose_is_computed_in_a_cell(path):
     assert used <= defined, f"glued but never computed: {sorted(used - defined)}"
 
 
+def glued_twice(code_cells: list[str]) -> list[str]:
+    """Names that more than one code cell glues: the later cell overwrites what the prose quotes."""
+    seen: dict[str, int] = {}
+    for i, code in enumerate(code_cells):
+        for name in set(re.findall(r"glue\(\s*[\"']([A-Za-z0-9_]+)[\"']", code)):
+            seen.setdefault(name, []).append(i)
+    return sorted(name for name, where in seen.items() if len(where) > 1)
+
+
+def test_the_glued_twice_check_can_fail():
+    assert glued_twice(['glue("a", 1)', 'glue("b", 2)\nglue( "a", 3)']) == ["a"]
+    assert glued_twice(['glue("a", 1)\nglue("a", 2)', 'glue("b", 1)']) == []  # one cell: its last value shows
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_glued_value_is_overwritten_by_a_later_cell(path):
+    code = [source(c) for c in load(path)["cells"] if c["cell_type"] == "code"]
+    assert not glued_twice(code), f"glued by more than one cell: {glued_twice(code)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_code_line_fits_the_page(path):
+    """88 characters: longer lines scroll sideways on the website."""
+    long = [(i, line) for i, c in enumerate(load(path)["cells"]) if c["cell_type"] == "code"
+            for line in source(c).splitlines() if len(line) > 88]
+    assert not long, f"{len(long)} code line(s) over 88 characters, e.g. cell {long[0][0]}: {long[0][1]!r}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_figure_has_a_caption_and_alt_text(path):
     for i, cell in enumerate(load(path)["cells"]):
-        if cell["cell_type"] == "code" and re.search(r"\bsubplots\(", source(cell)):
+        if cell["cell_type"] == "code" and re.search(r"\bsubplots\(|\bdiagrams\.\w+\(", source(cell)):
             meta = cell["metadata"].get("mystnb", {})
             assert meta.get("figure", {}).get("caption"), f"figure cell {i} has no caption"
             assert meta.get("image", {}).get("alt"), f"figure cell {i} has no alt text"
