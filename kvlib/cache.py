@@ -2,11 +2,13 @@
 
 Every cache speaks the protocol of Hugging Face's ``Cache`` (transformers 5.x)::
 
-    keys, values = cache.update(k, v, layer)   # append, then return everything so far
-    cache.get_seq_length()                     # tokens held (layer 0)
+    keys, values = cache.update(key_states, value_states, layer_idx)  # append, return all
+    cache.get_seq_length()                                            # tokens held (layer 0)
     cache.crop(n); cache.reset()
 
-``k`` and ``v`` are ``(batch, kv_heads, new_tokens, head_dim)``. The model
+HF's ``update`` takes the same three arguments first, then extras (a ``cache_kwargs``
+dict in transformers 4.x, ``**kwargs`` in 5.x) that kvlib does not need.
+``key_states`` and ``value_states`` are ``(batch, kv_heads, new_tokens, head_dim)``. The model
 calls ``update`` once per layer per forward pass, in layer order, so
 ``cache.seq_len`` (the length of layer 0) is the position of the next token.
 
@@ -203,7 +205,8 @@ def _check_legacy(past: Legacy) -> None:
 
 
 class DynamicCache(Cache):
-    """Appends with ``torch.cat``, the way most from-scratch code does.
+    """Appends with ``torch.cat``, the way most from-scratch code does, and so does
+    Hugging Face's ``DynamicCache`` (its ``DynamicLayer.update``, transformers 5.x).
 
     Each update allocates a new ``(B, H, S + t, D)`` tensor and copies the old
     ``S`` tokens into it, so decoding N tokens copies O(N²) bytes in total.
@@ -260,7 +263,10 @@ class DynamicCache(Cache):
 
 
 class StaticCache(Cache):
-    """Preallocated buffers, written in place, as in gpt-fast.
+    """Preallocated buffers, written in place, as in gpt-fast and Hugging Face's ``StaticCache``.
+
+    Fixed shapes and fixed storage addresses are what ``torch.compile`` and CUDA graphs
+    need to replay a decode step without recompiling; a ``torch.cat`` cache changes both.
 
     Shape per layer: ``(batch, kv_heads, max_len, head_dim)``, in ``keys[layer]``
     and ``values[layer]``. ``update`` writes the new tokens into the next free

@@ -5,7 +5,8 @@
 
 ``check_cache`` builds fresh caches with the factory and runs each property
 below; the first one that fails raises `CacheCheckError` naming the property
-and what differed. kvlib's own test suite runs these same properties on
+and what differed; when all pass it returns their names (``verbose=True`` prints
+them on one line). kvlib's own test suite runs these same properties on
 `DynamicCache` and `StaticCache`.
 """
 
@@ -154,11 +155,24 @@ PROPERTIES = [check_update, check_layers_independent, check_crop_and_reset, chec
               check_rejects_bad_updates, check_generation]
 
 
-def check_cache(make: Factory, *, verbose: bool = False) -> None:
-    """Run every property on caches made by ``make(n_layer, batch, n_kv_head, head_dim, dtype)``."""
+def property_name(prop: Callable) -> str:
+    """A property's short name: ``check_crop_and_reset`` -> ``"crop and reset"``."""
+    return prop.__name__.removeprefix("check_").replace("_", " ")
+
+
+def check_cache(make: Factory, *, verbose: bool = False) -> list[str]:
+    """Run every property on caches made by ``make(n_layer, batch, n_kv_head, head_dim, dtype)``.
+
+    Returns the names of the properties checked (all of them passed: the first failure
+    raises `CacheCheckError`). With ``verbose=True`` it also prints one summary line,
+    ``ok  MyCache: all 7 properties hold (update, ...)``.
+    """
     if not callable(make):
         raise TypeError(f"check_cache takes a factory function, got {type(make).__name__}")
     for prop in PROPERTIES:
         prop(make)
-        if verbose:
-            print(f"ok  {prop.__doc__.splitlines()[0]}")
+    passed = [property_name(prop) for prop in PROPERTIES]
+    if verbose:
+        kind = type(make(L, B, H, D, torch.float32)).__name__
+        print(f"ok  {kind}: all {len(passed)} properties hold ({', '.join(passed)})")
+    return passed

@@ -172,7 +172,7 @@ def cache_layout(layers: int = 3, heads: int = 2, seq: int = 8, filled: int = 5)
                     _cell(ax, x0 + s, top - 1 - h, part)
         ax.text(0.0, top - heads / 2, f"layer {layer}", ha="left", va="center", fontsize=9, weight="bold")
         ax.text(2.2 + filled + 0.5, top + 0.15, "↓", ha="center", va="bottom", fontsize=9, color=COLORS["naive"])
-    ax.text(2.2 + seq / 2, layers * row_h + 0.9, f"update(k, v, layer_idx) writes position {filled} "
+    ax.text(2.2 + seq / 2, layers * row_h + 0.9, f"update(key_states, value_states, layer_idx) writes position {filled} "
             f"in each layer's K and V: {layers} calls per step", ha="left", fontsize=8, color=COLORS["naive"])
     ax.text(2.2, -0.1, f"rows: H_kv = {heads} heads · columns: S = {seq} positions · each cell: one "
             "D-vector · shape (B, H_kv, S, D) per tensor", fontsize=8, va="top")

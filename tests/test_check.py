@@ -82,6 +82,22 @@ def test_broken_caches_fail_with_a_named_property(name):
         check_cache(make)
 
 
+def test_check_cache_returns_every_property_and_prints_one_line(capsys):
+    passed = check_cache(GOOD["static-grow"], verbose=True)
+    assert passed == ["update", "layers independent", "crop and reset", "nbytes", "legacy",
+                      "rejects bad updates", "generation"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"ok  StaticCache: all 7 properties hold ({', '.join(passed)})"]
+    assert check_cache(GOOD["dynamic"]) == passed and capsys.readouterr().out == ""  # quiet by default
+
+
+def test_a_failing_cache_prints_no_ok_line(capsys):
+    make, _ = BROKEN["crop ignored"]  # passes the first two properties, then fails
+    with pytest.raises(CacheCheckError):
+        check_cache(make, verbose=True)
+    assert "ok" not in capsys.readouterr().out
+
+
 def test_check_cache_needs_a_factory():
     with pytest.raises(TypeError, match="factory function"):
         check_cache(DynamicCache(2))
