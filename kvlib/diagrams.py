@@ -172,11 +172,14 @@ def cache_layout(layers: int = 3, heads: int = 2, seq: int = 8, filled: int = 5)
                     _cell(ax, x0 + s, top - 1 - h, part)
         ax.text(0.0, top - heads / 2, f"layer {layer}", ha="left", va="center", fontsize=9, weight="bold")
         ax.text(2.2 + filled + 0.5, top + 0.15, "↓", ha="center", va="bottom", fontsize=9, color=COLORS["naive"])
-    ax.text(2.2 + seq / 2, layers * row_h + 0.9, f"update(key_states, value_states, layer_idx) writes position {filled} "
-            f"in each layer's K and V: {layers} calls per step", ha="left", fontsize=8, color=COLORS["naive"])
+    ax.text(2.2, layers * row_h + 0.9,
+            f"update(key_states, value_states, layer_idx) writes position {filled} in each layer's K and V:"
+            f" {layers} calls per step", ha="left", fontsize=8, color=COLORS["naive"])
+    ax.text(2.2, -0.75, "blue: past tokens · orange: this step's token · white: reserved, not yet written",
+            fontsize=8, va="top")
     ax.text(2.2, -0.1, f"rows: H_kv = {heads} heads · columns: S = {seq} positions · each cell: one "
             "D-vector · shape (B, H_kv, S, D) per tensor", fontsize=8, va="top")
-    _blank(ax, (-0.2, 4.2 + 2 * seq), (-0.9, layers * row_h + 1.5))
+    _blank(ax, (-0.2, 4.2 + 2 * seq), (-1.5, layers * row_h + 1.5))
     return fig
 
 
