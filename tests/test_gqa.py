@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib import ModelConfig, Transformer
 from kvlib.gqa import convert_kv_heads
-from kvlib.mla import DEEPSEEK_V2, LatentCache, MLAAttention, MLAConfig
+from kvlib.mla import DEEPSEEK_V2, LatentCache, MLAAttention, MLAConfig, cost_per_cached_token
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -160,3 +160,59 @@ def test_mla_bad_input():
         cache.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 2), 0)
     with pytest.raises(IndexError, match="out of range"):
         cache.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 2), 1)
+
+
+@pytest.mark.parametrize("d_cq", [None, 12])
+def test_absorbed_mla_is_multi_query_attention_over_the_latent(d_cq):
+    """absorbed_qkv gives one shared KV head (keys d_c + d_rope wide, values the latent);
+    PyTorch's own MQA kernel over it, then W_uv and w_o, equals the naive layer."""
+    cfg = MLAConfig(d_model=32, n_head=4, d_c=16, d_nope=8, d_rope=4, d_v=6, d_cq=d_cq)
+    m = MLAAttention(cfg).reset_parameters(seed=1, std=0.3)
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        cache = LatentCache(1)
+        m(x[:, :5], cache=cache)  # 5 tokens cached, then 2 more as queries
+        q, k, v = m.absorbed_qkv(x[:, 5:], cache=cache)
+        assert q.shape == (2, 4, 2, 16 + 4) and k.shape == (2, 1, 7, 16 + 4) and v.shape == (2, 1, 7, 16)
+        mask = kvlib.causal_mask(2, 7)
+        o_lat = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scale,
+                                                                 enable_gqa=True)  # (B, H, T, d_c)
+        W_uv = m.w_ukv.weight.view(16, 4, 8 + 6)[..., 8:]  # (d_c, H, d_v)
+        o = torch.einsum("bhtc,chv->bthv", o_lat, W_uv).reshape(2, 2, 4 * 6)
+        torch.testing.assert_close(m.w_o(o), m(x)[:, 5:], **TOL)
+
+
+@pytest.mark.parametrize("form", ["absorbed", "naive"])
+def test_mla_cost_per_cached_token_matches_counted_flops_and_cache_bytes(form):
+    """FLOPs: what torch's FlopCounterMode counts in a decode step, per extra cached token.
+    Bytes: what a LatentCache holds per token (fp32 here)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = MLAConfig(d_model=32, n_head=4, d_c=16, d_nope=8, d_rope=4, d_v=6)
+    m = MLAAttention(cfg).reset_parameters(seed=0)
+    x = torch.randn(1, 1, 32)
+    flops = {}
+    for S in (5, 13):
+        cache = LatentCache(1)
+        cache.update(torch.randn(1, 1, S, 16), torch.randn(1, 1, S, 4), 0)
+        with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            m(x, cache=cache, absorbed=form == "absorbed")
+        flops[S] = counter.get_total_flops()
+    cost = cost_per_cached_token(cfg, form, dtype_bytes=4)
+    assert cost["flops"] == (flops[13] - flops[5]) / (13 - 5)
+    assert cost["bytes"] == cache.nbytes / cache.seq_len  # batch 1, one layer
+    assert cost["intensity"] == cost["flops"] / cost["bytes"]
+
+
+def test_mla_cost_of_an_expanded_cache_is_multi_head_attention():
+    """Caching the up-projected keys and values is MHA: 2 FLOPs per cached number and query
+    head, so 1 FLOP per byte at 2 bytes a number, the intensity chapter 5 gives MHA attention."""
+    cost = cost_per_cached_token(DEEPSEEK_V2, "expanded", dtype_bytes=2)
+    assert cost["bytes"] == DEEPSEEK_V2.n_head * (128 + 64 + 128) * 2
+    assert cost["intensity"] == 1.0
+    with pytest.raises(ValueError, match="form must be one of"):
+        cost_per_cached_token(DEEPSEEK_V2, "fused")
+    with pytest.raises(ValueError, match="dtype_bytes must be a positive number"):
+        cost_per_cached_token(DEEPSEEK_V2, dtype_bytes=0)
+    with pytest.raises(TypeError, match="MLAConfig"):
+        cost_per_cached_token(kvlib.PRESETS["tiny"])
