@@ -1,4 +1,5 @@
-"""Moving weights between Hugging Face Llama checkpoints and kvlib.
+"""Moving weights between Hugging Face Llama checkpoints and kvlib, and running HF's quantized
+cache under a kvlib model (`HFQuantizedCache`, chapter 8).
 
 Two differences, neither of which changes the function computed:
 
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .cache import Cache
 from .config import ModelConfig
 from .model import Transformer
 
@@ -91,3 +93,59 @@ def from_hf(hf_model, *, dtype: torch.dtype | None = None) -> Transformer:
     sd = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}  # share no storage with HF
     device = next(hf_model.parameters()).device
     return from_state_dict(config, state_dict_from_hf(sd, config), dtype=dtype, device=device)
+
+
+# -- Hugging Face's quantized cache, driven by a kvlib model ---------------------------------------
+def _tensor_bytes(obj) -> int:
+    """Bytes of every tensor in ``obj`` (a tensor, a tensor subclass made of inner tensors, or containers)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):  # e.g. quanto's packed tensors
+            names, _ = obj.__tensor_flatten__()
+            return sum(_tensor_bytes(getattr(obj, n)) for n in names)
+        return obj.nbytes
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+class HFQuantizedCache(Cache):
+    """Hugging Face's ``transformers.QuantizedCache`` behind kvlib's protocol, so a kvlib model runs on it.
+
+    ``HFQuantizedCache(n_layer, "fp8")`` (the backend that needs no extra package;
+    ``"quanto"`` and ``"hqq"`` need ``optimum-quanto`` or ``hqq``). Both protocols share
+    ``update(k, v, layer_idx)``; this adds what kvlib asks of a cache. ``nbytes``
+    counts every tensor HF's layers hold; ``layer_kv`` is what the last update returned.
+    """
+
+    def __init__(self, n_layer: int, backend: str = "fp8", **kwargs) -> None:
+        super().__init__(n_layer)
+        from transformers import LlamaConfig, QuantizedCache  # imported here: kvlib does not need transformers
+
+        self.backend, self.kwargs = backend, kwargs
+        self.hf = QuantizedCache(backend, LlamaConfig(num_hidden_layers=n_layer), **kwargs)  # reads the layer count
+        self.reset()
+
+    def reset(self) -> None:
+        self.hf.reset()
+        self.last: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.n_layer
+        self.spec = None
+
+    def update(self, key_states, value_states, layer_idx):
+        self.validate_update(key_states, value_states, layer_idx)
+        self.last[layer_idx] = self.hf.update(key_states, value_states, layer_idx)
+        return self.last[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.last[layer_idx] is None else self.hf.get_seq_length(layer_idx)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_tensor_bytes(list(vars(layer).values())) for layer in self.hf.layers)
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(f"Hugging Face's quantized cache ({self.backend!r}) cannot be cropped")
+
+    def layer_kv(self, layer_idx):
+        return self.last[layer_idx]

@@ -26,10 +26,10 @@ import torch
 
 from .blocks import BlockAllocator, OutOfBlocks, chain_hash
 from .config import ModelConfig
-from .paged_batch import PagedBatch, gather, slot_mapping
+from .paged_batch import PagedBatch, gather, paged_attention_loop, slot_mapping
 from .validate import positive_int
 
-__all__ = ["OutOfBlocks", "PagedBatch", "PagedCache", "gather", "slot_mapping"]
+__all__ = ["OutOfBlocks", "PagedBatch", "PagedCache", "gather", "paged_attention_loop", "slot_mapping"]
 
 
 def _token_rows(tokens: torch.Tensor | Sequence[Sequence[int]], batch: int) -> list[list[int]]:

@@ -93,6 +93,7 @@ class SimResult:
     preemptions: int
     memory_map: np.ndarray  # (memory_slots,) category of every slot at the snapshot step
     snapshot_step: int
+    preempted_tokens: tuple[int, ...] = ()  # tokens each preempted request held when it was evicted
 
     @property
     def waste(self) -> float:
@@ -147,6 +148,7 @@ class _Server:
         self.live: list[_Live] = []  # oldest first
         self.free_blocks: deque[int] = deque(range(memory_slots // block_size))
         self.steps = self.preemptions = 0
+        self.preempted_tokens: list[int] = []  # K/V dropped by each preemption: to swap out, or recompute
         # the record: sums of per-step fractions, batch sizes, and a few memory maps
         self.sums = dict.fromkeys(CATEGORIES, 0.0)  # over saturated steps (somebody waiting)
         self.idle = dict.fromkeys(CATEGORIES, 0.0)  # over the others (used only if never saturated)
@@ -242,6 +244,7 @@ class _Server:
         self.free_blocks.extend(reversed(victim.blocks))
         self.queue.appendleft((victim.req, victim.held))
         self.preemptions += 1
+        self.preempted_tokens.append(victim.held)
 
     def finish(self) -> None:
         """Requests that hold all their tokens leave and free their memory."""
@@ -285,6 +288,7 @@ class _Server:
         return SimResult(
             self.policy, self.block_size, self.memory_slots, self.steps, saturated, fractions,
             float(np.mean(batches)), max(batches), self.preemptions, memory_map, snap_step,
+            tuple(self.preempted_tokens),
         )
 
 

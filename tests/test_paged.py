@@ -13,7 +13,7 @@ from kvlib import DynamicCache, ModelConfig, Transformer
 from kvlib.attention import attention_mask, grouped_attention
 from kvlib.blocks import BlockAllocator, OutOfBlocks
 from kvlib.engine import Engine
-from kvlib.paged import PagedCache, gather, slot_mapping
+from kvlib.paged import PagedCache, gather, paged_attention_loop, slot_mapping
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -196,6 +196,39 @@ def test_paged_equals_contiguous(block_size, lengths, chunk, seed):
         n = lengths[b]
         want = grouped_attention(q[b : b + 1], kv, 2 * kv, attention_mask(T, n))
         torch.testing.assert_close(got[b : b + 1], want, rtol=1e-5, atol=1e-6)
+
+
+@given(
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    length=st.integers(1, 50),
+    groups=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_loop_equals_contiguous_attention(block_size, length, groups, seed):
+    """The per-block loop (online softmax over blocks read in place) against attention over the
+    contiguous keys, in a pool whose blocks are scrambled and hold other data around them."""
+    g = torch.Generator().manual_seed(seed)
+    H_kv, D = 2, 8
+    n = -(-length // block_size)
+    table = random.Random(seed).sample(range(n + 5), n)  # blocks in no particular order
+    k_pool = torch.randn(n + 5, block_size, H_kv, D, generator=g) * 3  # sharp scores: a real softmax test
+    v_pool = torch.randn(n + 5, block_size, H_kv, D, generator=g)
+    q = torch.randn(groups * H_kv, D, generator=g)
+    got = paged_attention_loop(q, k_pool, v_pool, table, length)
+    k = gather(k_pool, torch.tensor([table]), length)  # (1, H_kv, length, D)
+    v = gather(v_pool, torch.tensor([table]), length)
+    want = grouped_attention(q[None, :, None], k, v)[0, :, 0]  # (H, D): one query sees every key
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_paged_attention_loop_rejects_bad_input():
+    pool = torch.zeros(4, 2, 2, 3)
+    with pytest.raises(ValueError, match="need q"):
+        paged_attention_loop(torch.zeros(4, 5), pool, pool, [0], 1)
+    with pytest.raises(ValueError, match="cannot share 2 KV heads"):
+        paged_attention_loop(torch.zeros(3, 3), pool, pool, [0], 1)
+    with pytest.raises(ValueError, match="does not fit a table of 2 blocks of 2"):
+        paged_attention_loop(torch.zeros(4, 3), pool, pool, [0, 1], 5)
 
 
 def test_gather_rejects_bad_shapes():

@@ -7,7 +7,11 @@ from hypothesis import strategies as st
 
 import kvlib
 from kvlib.check import check_cache
-from kvlib.quant import CastCache, QuantizedCache, pack, quantize, unpack
+from kvlib.hf import HFQuantizedCache
+from kvlib.quant import (
+    FP8, FP8_MAX, CastCache, FP8Cache, QuantizedCache, fp8_scale, pack, quantize,
+    quantize_fp8, unpack,
+)
 
 
 def scale_bound(q, x, dim, group_size):
@@ -182,3 +186,116 @@ def test_crop_with_keys_and_values_split_differently(keep):
     nk, nv = cache.update(k2, v2, 0)  # and it keeps working
     assert nk.shape[2] == nv.shape[2] == keep + 3
     torch.testing.assert_close(nk[:, :, keep:], k2)
+
+
+# -- FP8 (e4m3) ----------------------------------------------------------------------------------------
+def nearest_e4m3(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: every finite e4m3 number listed from its bit patterns, and the nearest one to
+    each element of ``y`` (saturated to ±448); plus a mask of elements with no tie between two."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()  # the 253 distinct finite values, -448 .. 448
+    d = (y.clamp(-448, 448)[..., None] - grid).abs()  # (..., 253)
+    two = d.topk(2, dim=-1, largest=False).values
+    return grid[d.argmin(dim=-1)], two[..., 0] < two[..., 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), per_head=st.booleans(), fixed=st.sampled_from([None, 1.0, 0.01]))
+def test_fp8_rounds_to_the_nearest_e4m3_number(seed, per_head, fixed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 16, 8, generator=g) * torch.exp(3 * torch.randn(2, 3, 16, 8, generator=g))  # many binades
+    q = quantize_fp8(x, fixed, per_head=per_head)
+    assert q.data.dtype == FP8 and q.data.shape == x.shape
+    want, clean = nearest_e4m3(x / q.scale)  # a fixed scale of 0.01 saturates many elements at ±448
+    assert clean.float().mean() > 0.99
+    assert torch.equal(q.data.float()[clean], want[clean])
+    torch.testing.assert_close(q.dequantize(), want * q.scale, rtol=0, atol=0)
+
+
+def test_fp8_error_is_relative_in_the_normal_range():
+    x = torch.logspace(-12, 8.8, 8001, base=2)  # 2^-12 .. about 446, just under e4m3's largest, 448
+    x = torch.cat([x, -x])
+    y = quantize_fp8(x, 1.0).dequantize()
+    normal = x.abs() >= 2**-6  # e4m3's smallest normal number; below it the step is a fixed 2^-9
+    err = (y - x).abs()
+    assert (err[normal] <= x.abs()[normal] / 16).all()  # 3 mantissa bits: half a step is 1/16 of the binade
+    assert (err[~normal] <= 2**-10).all()
+    assert float(err[normal].div(x.abs()[normal]).max()) > 0.055  # and the bound is nearly reached
+
+
+def test_fp8_scales_per_tensor_and_per_head():
+    x = torch.randn(1, 3, 5, 4) * torch.tensor([1.0, 10.0, 100.0]).view(1, 3, 1, 1)
+    assert fp8_scale(x).shape == () and fp8_scale(x, per_head=True).shape == (1, 3, 1, 1)
+    torch.testing.assert_close(fp8_scale(x), x.abs().max() / 448)
+    q = quantize_fp8(x, per_head=True)
+    top = q.data.float().abs().amax(dim=(0, 2, 3))
+    assert torch.equal(top, torch.full((3,), FP8_MAX))  # each head's largest number maps onto 448
+    assert q.nbytes == x.numel() + 3 * 4  # 1 byte a number, one fp32 scale per head
+
+
+def test_fp8_cache_nbytes_crop_and_saturation():
+    cache = FP8Cache(2)
+    k, v = kv(10, H=3, D=8)
+    for layer in range(2):
+        cache.update(k, v, layer)
+    assert cache.seq_len == 10 and cache.nbytes == 2 * 2 * 3 * 10 * 8 + 2 * 2 * 4  # codes + 2 scales a layer
+    big = torch.full((1, 3, 1, 8), 1e6)  # far past the range calibrated on the first update
+    keys, _ = cache.update(big, big, 0)
+    torch.testing.assert_close(keys[:, :, -1], torch.full((1, 3, 8), FP8_MAX) * cache.k[0].scale)  # saturated
+    cache.crop(4)
+    assert cache.get_seq_length(0) == cache.get_seq_length(1) == 4
+    torch.testing.assert_close(cache.layer_kv(1)[0], quantize_fp8(k).dequantize()[:, :, :4], rtol=0, atol=0)
+    cache.reset()
+    assert cache.seq_len == 0 and cache.layer_kv(0) is None and cache.nbytes == 0
+
+
+def test_fp8_cache_equals_hugging_face_fp8_layer():
+    """The reference implementation: transformers' QuantizedCache(backend="fp8") layer, fed the same updates.
+    HF returns the first update's inputs unrounded; every later update returns identical numbers."""
+    hf_layers = pytest.importorskip("transformers.cache_utils")
+    if not hasattr(hf_layers, "Fp8QuantizedLayer"):
+        pytest.skip("this transformers has no fp8 quantized cache")
+    hf, ours = hf_layers.Fp8QuantizedLayer(), FP8Cache(1)
+    g = torch.Generator().manual_seed(0)
+    for i, T in enumerate((7, 1, 1, 3)):
+        k, v = torch.randn(1, 2, T, 8, generator=g) * (i + 1), torch.randn(1, 2, T, 8, generator=g)
+        hk, hv = hf.update(k, v)
+        ok, ov = ours.update(k, v, 0)
+        if i == 0:
+            assert torch.equal(hk, k)  # HF's first update is not rounded; ours is
+            torch.testing.assert_close(ok, quantize_fp8(k).dequantize(), rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(ok, hk, rtol=0, atol=0)
+            torch.testing.assert_close(ov, hv, rtol=0, atol=0)
+
+
+def test_hf_quantized_cache_runs_a_kvlib_model():
+    pytest.importorskip("transformers")
+    model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    model.reset_parameters(seed=2, std=0.2)
+    tokens = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    hf, ours = HFQuantizedCache(2, "fp8"), FP8Cache(2)
+    with torch.inference_mode():
+        first = model(tokens[:, :8], hf)
+        torch.testing.assert_close(first, model(tokens[:, :8]), rtol=0, atol=0)  # HF: the prompt unrounded
+        model(tokens[:, :8], ours)
+        for t in range(8, 12):
+            model(tokens[:, t:t + 1], hf), model(tokens[:, t:t + 1], ours)
+    assert hf.seq_len == ours.seq_len == 12 and hf.nbytes == ours.nbytes  # the same bytes stored
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        hf.crop(4)
+    hf.reset()
+    assert hf.seq_len == 0 and hf.layer_kv(0) is None
+
+
+def test_bad_fp8_input():
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize_fp8(torch.ones(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="per-head scales need"):
+        quantize_fp8(torch.randn(3, 4), per_head=True)
+    with pytest.raises(ValueError, match="positive and finite"):
+        quantize_fp8(torch.randn(3, 4), 0.0)
+    with pytest.raises(ValueError, match="non-empty"):
+        quantize_fp8(torch.randn(0, 4))
+    with pytest.raises(ValueError, match="scale must be a positive number"):
+        FP8Cache(1, scale=-1.0)

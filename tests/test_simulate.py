@@ -77,6 +77,10 @@ def test_a_watermark_trades_batch_size_for_fewer_preemptions():
     greedy = simulate(trace, "paged", memory_slots=16384, watermark=0.0)
     careful = simulate(trace, "paged", memory_slots=16384, watermark=0.2)
     assert greedy.preemptions > careful.preemptions and greedy.mean_batch > careful.mean_batch
+    # each preemption drops what its victim held: at least its prompt, less than its final length
+    assert len(greedy.preempted_tokens) == greedy.preemptions > 0
+    assert min(greedy.preempted_tokens) >= min(r.prompt for r in trace)
+    assert max(greedy.preempted_tokens) < max(r.total for r in trace)
     with pytest.raises(ValueError, match="watermark must lie in"):
         simulate(trace, "paged", memory_slots=16384, watermark=1.0)
 
@@ -104,3 +108,13 @@ def test_simulate_rejects_bad_input():
         reservation("paged", trace[0], 64)
     with pytest.raises(ValueError, match="n must be a positive int"):
         request_trace(0)
+
+
+def test_preempted_tokens_by_hand():
+    """Two requests of 3-token prompts and 3-token outputs in a pool of two 4-slot blocks: both are
+    admitted (one block each); at 4 tokens each needs a second block, none is free, so the newest
+    is preempted holding 4 tokens, and recomputed after the first finishes."""
+    trace = [TraceRequest(3, 3), TraceRequest(3, 3)]
+    r = simulate(trace, "paged", memory_slots=8, max_len=8, block_size=4, watermark=0.0)
+    assert r.preempted_tokens == (4,) and r.preemptions == 1
+    assert simulate(trace, "max", memory_slots=16, max_len=8).preempted_tokens == ()  # contiguous never preempts
