@@ -353,7 +353,8 @@ def measure(config: ModelConfig | None = None, dtype: str = "fp32", device: str 
     if dev.type == "cuda":
         name = f"{torch.cuda.get_device_name(dev)} (measured)"
     else:
-        name = f"this CPU, {torch.get_num_threads()} threads (measured)"
+        threads = torch.get_num_threads()
+        name = f"this CPU, {threads} thread{'s' if threads != 1 else ''} (measured)"
     return Hardware(
         name=name, mem_bandwidth=bandwidth, peak_flops={dtype: max(peak, *curve.values())},
         memory=_memory_bytes(dev), source=f"kvlib.hardware.measure() on {time.strftime('%Y-%m-%d')}",

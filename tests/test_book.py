@@ -39,6 +39,14 @@ def test_notebook_is_stored_without_outputs(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_cell_has_a_unique_id(path):
+    """nbformat 4.5 wants cell ids: without them every run warns (MissingIDFieldWarning)."""
+    ids = [c.get("id") for c in load(path)["cells"]]
+    assert None not in ids, f"{ids.count(None)} cell(s) have no id"
+    assert len(set(ids)) == len(ids), "cell ids repeat"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_first_code_cell_installs_kvlib_in_colab_only_from_the_configured_repo(path):
     code = [c for c in load(path)["cells"] if c["cell_type"] == "code"]
     first = source(code[0])
