@@ -12,7 +12,7 @@ The top level holds what a chapter or an exercise reaches for first:
 * generation: `SamplingParams`, `sample`, `prefill`, `decode_step`, `generate`,
   `generate_naive`, `stream`.
 
-Everything else lives in its module, one idea each: `kvlib.blocks`, `kvlib.paged`,
+Everything else lives in its module, one idea each: `kvlib.blocks`, `kvlib.paged`, `kvlib.evict`,
 `kvlib.engine`, `kvlib.memory`, `kvlib.simulate`, `kvlib.cost`, `kvlib.hardware`, `kvlib.quant`,
 `kvlib.gqa`, `kvlib.mla`, `kvlib.padding`, `kvlib.packed`, `kvlib.evaluate`, `kvlib.data`,
 `kvlib.timing`, `kvlib.check`, `kvlib.validate` (all importable after ``import kvlib``),
@@ -21,7 +21,7 @@ widgets or Hugging Face and are imported on their own.
 """
 
 from . import (  # noqa: F401  (the modules, so that kvlib.memory etc. work after `import kvlib`)
-    blocks, check, cost, data, engine, evaluate, gqa, hardware, memory, mla, packed, padding, paged, quant, sampling,
+    blocks, check, cost, data, engine, evaluate, evict, gqa, hardware, memory, mla, packed, padding, paged, quant, sampling,
     simulate, timing, validate,
 )
 from .attention import attention, attention_mask, causal_mask, grouped_attention, repeat_kv, softmax

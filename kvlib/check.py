@@ -160,19 +160,36 @@ def property_name(prop: Callable) -> str:
     return prop.__name__.removeprefix("check_").replace("_", " ")
 
 
-def check_cache(make: Factory, *, verbose: bool = False) -> list[str]:
+def check_cache(make: Factory, *, verbose: bool = False, not_applicable: dict[str, str] | None = None) -> list[str]:
     """Run every property on caches made by ``make(n_layer, batch, n_kv_head, head_dim, dtype)``.
 
     Returns the names of the properties checked (all of them passed: the first failure
     raises `CacheCheckError`). With ``verbose=True`` it also prints one summary line,
     ``ok  MyCache: all 7 properties hold (update, ...)``.
+
+    A cache that by design breaks a property (one that evicts does not return "everything
+    so far") declares it: ``not_applicable={"update": "it evicts"}``, by property name.
+    Declared properties are not run, and the summary line names them with their reasons.
     """
     if not callable(make):
         raise TypeError(f"check_cache takes a factory function, got {type(make).__name__}")
-    for prop in PROPERTIES:
-        prop(make)
-    passed = [property_name(prop) for prop in PROPERTIES]
+    names = {property_name(prop): prop for prop in PROPERTIES}
+    skip = dict(not_applicable or {})
+    unknown = sorted(set(skip) - set(names))
+    if unknown:
+        raise ValueError(f"not_applicable names no property: {unknown}; the properties are {sorted(names)}")
+    if not all(isinstance(why, str) and why.strip() for why in skip.values()):
+        raise ValueError("each not-applicable property needs its reason, as a non-empty string")
+    passed = []
+    for name, prop in names.items():
+        if name not in skip:
+            prop(make)
+            passed.append(name)
     if verbose:
         kind = type(make(L, B, H, D, torch.float32)).__name__
-        print(f"ok  {kind}: all {len(passed)} properties hold ({', '.join(passed)})")
+        line = f"ok  {kind}: all {len(passed)} properties hold ({', '.join(passed)})"
+        if skip:
+            line = (f"ok  {kind}: {len(passed)} properties hold ({', '.join(passed)}); not applicable: "
+                    + "; ".join(f"{name} ({why})" for name, why in skip.items()))
+        print(line)
     return passed

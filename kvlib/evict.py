@@ -1,0 +1,319 @@
+"""Caches with a fixed budget: a sliding window, attention sinks, and heavy hitters.
+
+Every other kvlib cache grows with the context. These hold at most a budget of tokens per
+layer. When an update would go over it they evict first; then the step attends to what is
+held plus its new tokens. A decode step therefore sees exactly ``budget`` keys, its own
+included, and memory and time per token stay flat however long the text.
+
+* `WindowCache(n_layer, window)`: the ``window`` most recent tokens, in a ring buffer. A
+  decode step writes one slot over the oldest and copies nothing else. Positions stay
+  absolute: token t is rotated at t, however many came before it.
+* `SinkCache(n_layer, n_sink, window, rope_base)`: StreamingLLM's cache. It keeps the
+  first ``n_sink`` tokens (the *attention sinks*) plus the ``window`` most recent, with
+  positions counted *within the cache*, as the paper does.
+* `H2OCache(n_layer, heavy, recent)`: H2O's cache. It keeps the ``recent`` most recent
+  tokens plus the ``heavy`` older ones that have received the most attention so far. It needs
+  the attention weights, which fused kernels never write out, so it brings its own
+  attention function: ``model.set_attention_impl(cache.attention)``.
+
+A step may bring several tokens at once (a prefill chunk), up to the recent part of the
+budget. Each query of the chunk then sees the held tokens and the chunk's earlier tokens.
+Score a long text in chunks and say so, because the first queries of a chunk see fewer
+old tokens than a decode step does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import repeat_kv, softmax
+from .cache import Cache
+from .validate import positive_int
+from .model import apply_rope, rope_cos_sin
+
+
+class _Budgeted(Cache):
+    """Storage shared by the caches below: per layer, K and V ``(B, H_kv, S, D)`` kept in order,
+    and the absolute position of every held token, ``(B, H_kv, S)``."""
+
+    def __init__(self, n_layer: int, budget: int, recent: int) -> None:
+        super().__init__(n_layer)
+        self.budget, self.recent = budget, recent
+        self.reset()
+
+    def reset(self) -> None:
+        self.k: list[torch.Tensor | None] = [None] * self.n_layer
+        self.v: list[torch.Tensor | None] = [None] * self.n_layer
+        self.pos: list[torch.Tensor | None] = [None] * self.n_layer  # (B, H_kv, S) absolute positions
+        self.seen = [0] * self.n_layer  # tokens ever given to each layer
+        self.spec = None
+
+    def _check_chunk(self, T: int, held: int) -> None:
+        """A chunk that makes the cache evict may not be longer than the recent part."""
+        if held + T > self.budget and T > self.recent:
+            raise ValueError(
+                f"{type(self).__name__} takes at most {self.recent} new tokens per update (its recent part), "
+                f"got {T}: feed a long prompt in chunks of at most {self.recent}"
+            )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held now (at most the budget), not tokens seen: see `seen`."""
+        return 0 if self.k[layer_idx] is None else self.k[layer_idx].shape[2]
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Absolute positions: the new tokens continue from every token seen, evicted or not."""
+        B, T = tokens.shape
+        return torch.arange(self.seen[0], self.seen[0] + T, device=tokens.device).expand(B, T)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v if t is not None)
+
+    @property
+    def n_evicted(self) -> int:
+        """Tokens evicted so far from layer 0."""
+        return self.seen[0] - self.get_seq_length(0)
+
+    def kept_positions(self, layer_idx: int = 0) -> torch.Tensor | None:
+        """Absolute positions of the held tokens, ``(B, H_kv, S)`` in storage order (or None)."""
+        return self.pos[self.check_layer(layer_idx)]
+
+    def layer_kv(self, layer_idx):
+        return None if self.k[layer_idx] is None else (self.k[layer_idx], self.v[layer_idx])
+
+    def crop(self, max_length: int) -> None:
+        keep = self.crop_length(max_length)
+        for i in range(self.n_layer):
+            if self.k[i] is not None:
+                self.k[i], self.v[i], self.pos[i] = (t[:, :, :keep] for t in (self.k[i], self.v[i], self.pos[i]))
+                self.seen[i] = int(self.pos[i].max()) + 1 if keep else 0
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """Keep the held tokens at indices ``keep`` ``(B, H_kv, S')`` (None: all), then append ``k, v``."""
+        B, H, T, D = k.shape
+        new_pos = torch.arange(self.seen[layer], self.seen[layer] + T, device=k.device).expand(B, H, T)
+        old = (self.k[layer], self.v[layer], self.pos[layer])
+        if old[0] is None:
+            old = (k[:, :, :0], v[:, :, :0], new_pos[:, :, :0])
+        elif keep is not None:
+            idx = keep[..., None].expand(-1, -1, -1, D)  # (B, H_kv, S', D)
+            old = (old[0].gather(2, idx), old[1].gather(2, idx), old[2].gather(2, keep))
+        self.k[layer] = torch.cat([old[0], k], dim=2)  # (B, H_kv, S' + T, D)
+        self.v[layer] = torch.cat([old[1], v], dim=2)
+        self.pos[layer] = torch.cat([old[2], new_pos], dim=2)
+        self.seen[layer] += T
+        self.bytes_written += 2 * self.k[layer].nbytes
+
+
+class WindowCache(_Budgeted):
+    """The ``window`` most recent tokens, in a ring buffer: one slot written per decode step.
+
+    The buffers ``(B, H_kv, window, D)`` are allocated by the first update. Until they
+    fill, tokens go in order. Then each decode step overwrites the oldest slot in place, so
+    the ring holds tokens out of order. A decode step's single query sees every held key,
+    and attention does not care about the order of the keys it sums over, so the ring is
+    returned as it lies. A chunk of several tokens needs its keys in order for the causal
+    mask, so it unrolls the ring once (one copy per chunk, not per token).
+    """
+
+    def __init__(self, n_layer: int, window: int) -> None:
+        super().__init__(n_layer, positive_int("window", window), window)
+        self.window = window
+
+    def reset(self) -> None:
+        super().reset()
+        self.held = [0] * self.n_layer
+        self.start = [0] * self.n_layer  # ring index of the oldest held token (0 until the ring wraps)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.held[layer_idx]
+
+    def layer_kv(self, layer_idx):
+        n = self.held[layer_idx]
+        return None if n == 0 else (self.k[layer_idx][:, :, :n], self.v[layer_idx][:, :, :n])
+
+    def kept_positions(self, layer_idx: int = 0) -> torch.Tensor | None:
+        n = self.held[self.check_layer(layer_idx)]
+        return None if n == 0 else self.pos[layer_idx][:, :, :n]
+
+    def _unroll(self, layer: int) -> None:
+        s = self.start[layer]
+        if s:
+            self.k[layer], self.v[layer], self.pos[layer] = (
+                torch.roll(t, -s, dims=2) for t in (self.k[layer], self.v[layer], self.pos[layer]))
+            self.bytes_written += 2 * self.k[layer].nbytes
+            self.start[layer] = 0
+
+    def update(self, key_states, value_states, layer_idx):
+        self.validate_update(key_states, value_states, layer_idx)
+        B, H, T, D = key_states.shape
+        i, W = layer_idx, self.window
+        self._check_chunk(T, self.held[i])
+        if self.k[i] is None:
+            self.k[i] = key_states.new_zeros(B, H, W, D)
+            self.v[i] = value_states.new_zeros(B, H, W, D)
+            self.pos[i] = torch.zeros(B, H, W, dtype=torch.long, device=key_states.device)
+        new_pos = torch.arange(self.seen[i], self.seen[i] + T, device=key_states.device)  # (T,)
+        held = self.held[i]
+        if T == 1 and held == W:  # the ring is full: overwrite the oldest slot in place
+            s = self.start[i]
+            self.start[i] = (s + 1) % W
+        else:
+            self._unroll(i)
+            if held + T > W:  # slide the newest W - T tokens to the front
+                drop = held + T - W
+                for t in (self.k[i], self.v[i], self.pos[i]):
+                    t[:, :, : W - T] = t[:, :, drop:held].clone()
+                    self.bytes_written += t[:, :, : W - T].nbytes if t.is_floating_point() else 0
+                held = W - T
+            s, self.held[i] = held, held + T
+        self.k[i][:, :, s : s + T] = key_states
+        self.v[i][:, :, s : s + T] = value_states
+        self.pos[i][:, :, s : s + T] = new_pos
+        self.seen[i] += T
+        self.bytes_written += key_states.nbytes + value_states.nbytes
+        return self.layer_kv(i)
+
+    def crop(self, max_length: int) -> None:
+        keep = self.crop_length(max_length)
+        for i in range(self.n_layer):
+            if self.k[i] is not None:
+                self._unroll(i)
+                self.held[i] = min(self.held[i], keep)
+                self.seen[i] = int(self.pos[i][0, 0, keep - 1]) + 1 if self.held[i] else 0
+
+
+class SinkCache(_Budgeted):
+    """StreamingLLM: the first ``n_sink`` tokens plus the ``window`` most recent, positions within the cache.
+
+    Positions count slots in the cache, not tokens in the text: the held tokens sit at
+    0 … S-1 and a new token comes right after them, so no position ever exceeds
+    ``n_sink + window``. The model rotates each key at its position *before* it reaches
+    the cache. When the window's oldest ``e`` tokens are evicted, every later window token
+    moves ``e`` slots down, so its stored key is rotated by ``-e`` positions (a RoPE
+    rotation composes: rotating by p and then by -e is rotating by p - e). We re-rotate
+    on eviction (``window`` keys per step) rather than store unrotated keys and rotate
+    every key at every read (``n_sink + window`` keys per step, and a model that applies
+    RoPE after the cache). Hugging Face's former ``SinkCache`` made the same choice.
+    """
+
+    def __init__(self, n_layer: int, n_sink: int, window: int, rope_base: float) -> None:
+        if not isinstance(n_sink, int) or n_sink < 0:
+            raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
+        positive_int("window", window)
+        if not rope_base > 0:
+            raise ValueError(f"rope_base must be positive, got {rope_base!r}")
+        super().__init__(n_layer, n_sink + window, window)
+        self.n_sink, self.window, self.rope_base = n_sink, window, float(rope_base)
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Slots in the cache: after this step's eviction, the new tokens take the last ``T`` slots."""
+        B, T = tokens.shape
+        start = min(self.get_seq_length(0), self.budget - T)
+        return torch.arange(start, start + T, device=tokens.device).expand(B, T)
+
+    def update(self, key_states, value_states, layer_idx):
+        self.validate_update(key_states, value_states, layer_idx)
+        T, held = key_states.shape[2], self.get_seq_length(layer_idx)
+        self._check_chunk(T, held)
+        drop = max(0, held + T - self.budget)
+        keep = None
+        if drop:
+            B, H, _, D = key_states.shape
+            kept = list(range(self.n_sink)) + list(range(self.n_sink + drop, held))
+            keep = torch.tensor(kept, device=key_states.device).expand(B, H, len(kept))
+            k = self.k[layer_idx]
+            cos, sin = rope_cos_sin(torch.full((1, 1), -drop, device=k.device), D, self.rope_base, k.dtype)
+            window = k[:, :, self.n_sink + drop:]
+            self.k[layer_idx] = torch.cat([k[:, :, : self.n_sink + drop], apply_rope(window, cos, sin)], dim=2)
+        self._append(layer_idx, key_states, value_states, keep)
+        return self.k[layer_idx], self.v[layer_idx]
+
+
+def h2o_keep(scores: torch.Tensor, heavy: int, protect: int) -> torch.Tensor:
+    """Which held tokens H2O keeps: the last ``protect`` (recent), plus the ``heavy`` others with
+    the highest accumulated attention ``scores`` ``(B, H_kv, S)``; ties go to the older token.
+
+    Returns indices ``(B, H_kv, min(S, heavy + protect))``, ascending (storage order kept).
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be (batch, kv_heads, held), got shape {tuple(scores.shape)}")
+    B, H, S = scores.shape
+    if heavy < 0 or protect < 0:
+        raise ValueError(f"heavy and protect must be >= 0, got {heavy} and {protect}")
+    if S <= heavy + protect:
+        return torch.arange(S, device=scores.device).expand(B, H, S)
+    old = S - protect
+    # stable sort descending: equal scores keep their order, so the older token wins a tie
+    top = torch.sort(scores[..., :old], dim=-1, descending=True, stable=True).indices[..., :heavy]
+    recent = torch.arange(old, S, device=scores.device).expand(B, H, protect)
+    return torch.cat([top, recent], dim=-1).sort(dim=-1).values
+
+
+class H2OCache(_Budgeted):
+    """H2O: the ``recent`` most recent tokens plus the ``heavy`` older ones most attended so far.
+
+    Each held token carries its accumulated attention: the sum, over every query that has
+    seen it and every query head that shares its KV head, of the weight it received. The
+    weights come from `attention`, this cache's own attention function, which the model
+    must use: ``model.set_attention_impl(cache.attention)``. An update that has to evict
+    without them raises ``ValueError``. Choices are per KV head, as in the paper's code,
+    and positions stay absolute.
+    """
+
+    def __init__(self, n_layer: int, heavy: int, recent: int) -> None:
+        if not isinstance(heavy, int) or heavy < 0:
+            raise ValueError(f"heavy must be an int >= 0, got {heavy!r}")
+        super().__init__(n_layer, heavy + positive_int("recent", recent), recent)
+        self.heavy = heavy
+
+    def reset(self) -> None:
+        super().reset()
+        self.score: list[torch.Tensor | None] = [None] * self.n_layer  # (B, H_kv, S), fp32
+        self.last_layer: int | None = None
+        self.observed = [False] * self.n_layer  # did the layer's last step record its weights?
+
+    def update(self, key_states, value_states, layer_idx):
+        self.validate_update(key_states, value_states, layer_idx)
+        B, H, T, _ = key_states.shape
+        held = self.get_seq_length(layer_idx)
+        self._check_chunk(T, held)
+        score = self.score[layer_idx]
+        if held and not self.observed[layer_idx]:
+            raise ValueError(
+                f"H2OCache needs the attention weights of every step, and layer {layer_idx}'s last step "
+                "recorded none (its attention was not this cache's): call "
+                "model.set_attention_impl(cache.attention) before running the model"
+            )
+        self.observed[layer_idx] = False
+        keep = None
+        if held + T > self.budget:
+            keep = h2o_keep(score, self.heavy, self.budget - T - self.heavy)
+            score = score.gather(2, keep)
+        zeros = torch.zeros(B, H, T, device=key_states.device)
+        self.score[layer_idx] = zeros if score is None else torch.cat([score, zeros], dim=2)
+        self._append(layer_idx, key_states, value_states, keep)
+        self.last_layer = layer_idx
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention that also adds each key's weights to its score. A model calls it right after
+        ``update`` in the same layer, so the weights belong to `last_layer`."""
+        if self.last_layer is None or k.shape[2] != self.get_seq_length(self.last_layer):
+            raise ValueError("H2OCache.attention must follow this cache's own update in the same layer")
+        B, H, Tq, D = q.shape
+        H_kv = k.shape[1]
+        scores = q @ repeat_kv(k, H // H_kv).transpose(-2, -1) / D**0.5  # (B, H, Tq, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        w = softmax(scores.float(), dim=-1)  # (B, H, Tq, S)
+        per_kv = w.reshape(B, H_kv, H // H_kv, Tq, -1).sum(dim=(2, 3))  # (B, H_kv, S)
+        self.score[self.last_layer] += per_kv
+        self.observed[self.last_layer] = True
+        return (w.to(v.dtype) @ repeat_kv(v, H // H_kv))  # (B, H, Tq, D)
+
+    def crop(self, max_length: int) -> None:
+        keep = self.crop_length(max_length)
+        super().crop(max_length)
+        self.score = [None if s is None else s[:, :, :keep] for s in self.score]
