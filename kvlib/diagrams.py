@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
 from .plot import COLORS
+from .validate import positive_int
 
 _LIGHT = "#E8E8E8"
 _PARTS = {  # what a cell stands for -> its colour
@@ -63,14 +64,6 @@ def _blank(ax: plt.Axes, xlim: tuple[float, float], ylim: tuple[float, float]) -
     ax.axis("off")
 
 
-def _positive(**sizes: int) -> None:
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
 def attention_rows(prompt_len: int = 6) -> Figure:
     """Prefill against one decode step, as the score matrix Q·Kᵀ.
 
@@ -79,7 +72,7 @@ def attention_rows(prompt_len: int = 6) -> Figure:
     key, but only the newest key and value are new: the others were computed in the prefill
     and are read from the cache. Without a cache the grey rows would be recomputed too.
     """
-    _positive(prompt_len=prompt_len)
+    positive_int("prompt_len", prompt_len)
     if prompt_len > 24:
         raise ValueError(f"prompt_len={prompt_len} is too many cells to read; use 24 or fewer")
     T = prompt_len
@@ -157,7 +150,8 @@ def cache_layout(layers: int = 3, heads: int = 2, seq: int = 8, filled: int = 5)
     that layer, once per layer per step. Empty cells are capacity reserved ahead (a static cache);
     a dynamic cache has none and grows instead.
     """
-    _positive(layers=layers, heads=heads, seq=seq)
+    for name, value in (("layers", layers), ("heads", heads), ("seq", seq)):
+        positive_int(name, value)
     if not 0 <= filled < seq:
         raise ValueError(f"filled must be in [0, seq) so the next token has a slot; got filled={filled}, seq={seq}")
     row_h = heads + 1.2
@@ -191,11 +185,12 @@ def block_table(lengths: Sequence[int] = (10, 6), block_size: int = 4, pool_bloc
     partly empty. The blocks need not be adjacent or in order in the pool. Blocks no table points
     to are free, for whichever sequence grows next.
     """
-    _positive(block_size=block_size, pool_blocks=pool_blocks)
+    positive_int("block_size", block_size)
+    positive_int("pool_blocks", pool_blocks)
     if not lengths:
         raise ValueError("lengths is empty: draw at least one sequence")
     for n in lengths:
-        _positive(length=n)
+        positive_int("length", n)
     need = [-(-n // block_size) for n in lengths]
     if tables is None:  # a scattered but fixed placement, as an allocator that has served others leaves it
         order = [(5 * i + 3) % pool_blocks for i in range(pool_blocks)]
@@ -260,7 +255,7 @@ def paged_loop(table: Sequence[int] = (5, 1, 7), block_size: int = 4) -> Figure:
     output ``acc``; rescaling by ``exp(m_old - m)`` keeps the earlier blocks' share exact. At the
     end, ``acc / l`` is the same softmax-weighted sum a contiguous kernel computes.
     """
-    _positive(block_size=block_size)
+    positive_int("block_size", block_size)
     if not table:
         raise ValueError("table is empty: a sequence in the cache has at least one block")
     if len(set(table)) != len(table) or min(table) < 0:
