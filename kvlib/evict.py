@@ -223,9 +223,11 @@ class SinkCache(_Budgeted):
             kept = list(range(self.n_sink)) + list(range(self.n_sink + drop, held))
             keep = torch.tensor(kept, device=key_states.device).expand(B, H, len(kept))
             k = self.k[layer_idx]
-            cos, sin = rope_cos_sin(torch.full((1, 1), -drop, device=k.device), D, self.rope_base, k.dtype)
-            window = k[:, :, self.n_sink + drop:]
-            self.k[layer_idx] = torch.cat([k[:, :, : self.n_sink + drop], apply_rope(window, cos, sin)], dim=2)
+            # rotate in fp32 and round once: a bf16 key is re-rotated at every eviction, and
+            # bf16 arithmetic inside the rotation would add its rounding each time
+            cos, sin = rope_cos_sin(torch.full((1, 1), -drop, device=k.device), D, self.rope_base, torch.float32)
+            window = apply_rope(k[:, :, self.n_sink + drop:].float(), cos, sin).to(k.dtype)
+            self.k[layer_idx] = torch.cat([k[:, :, : self.n_sink + drop], window], dim=2)
         self._append(layer_idx, key_states, value_states, keep)
         return self.k[layer_idx], self.v[layer_idx]
 

@@ -211,6 +211,7 @@ class Transformer(nn.Module):
         key_valid: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         last_only: bool = False,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` (or ``(B, 1, vocab)`` with ``last_only``).
 
@@ -222,6 +223,11 @@ class Transformer(nn.Module):
         positions: ``(B, T)`` or ``(T,)`` RoPE positions.
         key_valid: ``(B, past + T)`` bool, ``False`` on padding keys.
         mask: ``(B or 1, 1, T, past + T)`` bool, True where a query may attend.
+
+        logits_to_keep: score only the last this-many positions, ``(B, logits_to_keep,
+        vocab)``; 0 keeps all (Hugging Face's argument of the same name). The vocabulary
+        projection is a fifth of SmolLM2's FLOPs, so context tokens that are only there to be
+        attended to should not pay for it. ``last_only`` is ``logits_to_keep=1``.
 
         Token ids are range-checked here only on the CPU, where it costs no device
         sync; `generate`, `stream` and the paged `Engine` check prompts once, up front.
@@ -235,6 +241,12 @@ class Transformer(nn.Module):
         if cache is not None and not isinstance(cache, Cache):
             raise TypeError(f"cache must be a kvlib Cache, got {type(cache).__name__}")
         B, T = tokens.shape
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+            raise TypeError(f"logits_to_keep must be an int, got {type(logits_to_keep).__name__}")
+        if not 0 <= logits_to_keep <= T:
+            raise ValueError(f"logits_to_keep must be in [0, {T}] for {T} tokens, got {logits_to_keep}")
+        if last_only:
+            logits_to_keep = 1
         past = 0 if cache is None else cache.seq_len
         if past + T > self.config.max_seq_len:
             raise ValueError(f"{past} cached + {T} new tokens exceeds max_seq_len={self.config.max_seq_len}")
@@ -246,8 +258,8 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # (B, T, d_model)
         for block in self.layers:
             x = block(x, cos, sin, cache, mask)
-        if last_only:
-            x = x[:, -1:]  # (B, 1, d_model): generation only needs the next token's logits
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # (B, keep, d_model): generation needs only the last
         return self.lm_head(self.norm(x))
 
     @staticmethod

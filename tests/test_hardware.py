@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlib import PRESETS, Transformer, cost, memory
-from kvlib.hardware import HARDWARE, Hardware, StepTime, fastest, measure, step_time
+from kvlib.hardware import HARDWARE, Hardware, StepTime, fast_dtype, fastest, measure, step_time
 
 SMALL = [
     PRESETS["tiny"],  # MHA, untied embeddings
@@ -191,3 +191,18 @@ def test_prefill_overhead_counts_every_row():
     c = PRESETS["tiny"]
     assert step_time(c, hw, 2, 0, 50, dtype="fp32").overhead == pytest.approx(0.01 + 100 * 1e-4)
     assert step_time(c, hw, 4, 10, dtype="fp32").overhead == pytest.approx(0.01 + 4 * 1e-4)
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, want", [
+    (True, True, torch.bfloat16), (True, False, torch.bfloat16),
+    (False, True, torch.bfloat16), (False, False, torch.float32),
+])
+def test_fast_dtype_follows_the_cpus_bf16_instructions(monkeypatch, amx, avx512_bf16, want):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert fast_dtype() is want and fast_dtype("cpu") is want
+
+
+def test_fast_dtype_rejects_devices_it_does_not_know():
+    with pytest.raises(ValueError, match="meta"):
+        fast_dtype("meta")

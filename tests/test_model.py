@@ -111,6 +111,22 @@ def test_last_only_returns_the_last_position():
     torch.testing.assert_close(last, model(tokens)[:, -1:].detach(), rtol=1e-6, atol=1e-6)  # a (1, d) vs (T, d) matmul
 
 
+def test_logits_to_keep_returns_the_last_positions():
+    model = tiny()
+    tokens = torch.randint(0, 97, (2, 6))
+    with torch.inference_mode():
+        full = model(tokens)
+        for keep in (1, 4, 6):
+            torch.testing.assert_close(model(tokens, logits_to_keep=keep), full[:, -keep:], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model(tokens, logits_to_keep=0), full, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("keep, err", [(7, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_logits_to_keep_bad_values(keep, err):
+    with pytest.raises(err, match="logits_to_keep"):
+        tiny()(torch.randint(0, 97, (1, 6)), logits_to_keep=keep)
+
+
 def test_tied_embeddings_share_one_matrix():
     model = tiny(tied=True)
     assert model.tok_emb is None
