@@ -408,5 +408,7 @@ def fast_dtype(device: str | torch.device | None = None) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     if dev.type != "cpu":
         raise ValueError(f"fast_dtype() knows CPUs and CUDA GPUs, got device {dev}")
-    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    # private probes (torch.cpu has no public one); absent in an older torch, they count as "no"
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    native = any(getattr(torch.cpu, name, lambda: False)() for name in probes)
     return torch.bfloat16 if native else torch.float32

@@ -190,15 +190,17 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.norm.weight.device  # the final norm: float even when kvlib.wquant stores matrices in int8
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.norm.weight.dtype
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` ids -> ``(B, T, d_model)`` vectors."""
         if self.tok_emb is None:
+            if hasattr(self.lm_head, "embedding_rows"):  # a quantized lm_head (kvlib.wquant) reads its own rows
+                return self.lm_head.embedding_rows(tokens)
             return F.embedding(tokens, self.lm_head.weight.t())  # rows of (vocab, d_model) view
         return self.tok_emb(tokens)
 
