@@ -57,6 +57,22 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     finally:
         torch.set_num_threads(threads)
     r = json.loads(out.read_text())
-    assert set(r) >= {"machine", "generation", "decode", "hf", "roofline", "targets"}
+    assert set(r) >= {"machine", "generation", "decode", "hf", "hf_bf16", "roofline", "same_bytes", "precision",
+                      "split_kv", "targets"}
+    assert set(r["precision"]) == {"fp32", "bf16", "int8", "int4"} and r["precision"]["fp32"]["agreement"] == 1.0
     assert all(g["identical"] for g in r["generation"].values()) and r["hf"]["identical"]
     assert type(r["roofline"][f"decode_ctx{bench.QUICK.contexts[0]}"]["bytes"]) is int  # ints stay ints
+
+
+def test_the_stored_bench_record_is_a_full_run():
+    """kvlib.data.bench_record() is what `python -m kvlib.bench --compile --json` wrote: every section, the
+    machine it ran on, and token sequences that agreed (a record with differing tokens must not be shipped)."""
+    from kvlib.data import bench_record
+
+    r = bench_record()
+    assert set(r) >= {"machine", "generation", "decode", "hf", "hf_bf16", "same_bytes", "precision", "split_kv",
+                      "compile", "targets"}
+    assert r["machine"]["threads"] == 2 and r["machine"]["date"]
+    assert all(g["identical"] for g in r["generation"].values()) and r["hf"]["identical"]
+    with pytest.raises(ValueError, match="no stored bench record 'gpu'"):
+        bench_record("gpu")
