@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cost, timing
-from .bench_fast import bare_matvecs, compiled_step, fast_rows, fast_targets, hf_bf16, precision_ladder, split_vs_sdpa
+from .bench_fast import compiled_step, fast_rows, fast_targets, hf_bf16, precision_ladder, same_bytes, split_vs_sdpa
 from .data import tiny_shakespeare
 from .generate import generate, generate_naive
 from .model import Transformer
@@ -295,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print("(d) matvec bandwidth and roofline ...", flush=True)
         r["roofline"] = bench_roofline(model, r["decode"], plan)
         print("(e) decode against matvecs over the same matrices ...", flush=True)
-        r["same_bytes"] = {"matvec_ms": 1e3 * bare_matvecs(model, plan.matvec_repeats),
-                           "decode_ms": r["decode"][str(plan.contexts[0])]["ms"]}
+        r["same_bytes"] = same_bytes(model, ids, plan.contexts[0], plan.decode_steps)
         print("(f) precision ladder: fp32, bf16, int8, int4 weights ...", flush=True)
         text = torch.tensor([tok.encode(tiny_shakespeare("val"))[: plan.text_tokens]])
         r["precision"] = precision_ladder(ids, text, plan.contexts[0], plan.decode_steps)

@@ -26,12 +26,22 @@ from .generate import decode_step, generate, prefill
 from .kernels import split_kv_attention
 from .model import Linear, Transformer
 from .pretrained import load_smollm2
-from .wquant import quantize_weights, weight_bytes
+from .wquant import Int4Linear, Int8Linear, quantize_weights, weight_bytes
 
 
 def bare_matvecs(model: Transformer, repeats: int = 20) -> float:
-    """Seconds for one row vector times every matrix of ``model`` in turn, fastest of ``repeats``:
-    the bytes a decode step must read, read by nothing but matrix-vector products."""
+    """Seconds for one row vector times every matrix of ``model`` in turn: the bytes a decode
+    step must read, read by nothing but matrix-vector products.
+
+    The fastest of ``1 + repeats`` sweeps (``repeats=0``: a single sweep, for a caller that
+    times it itself, as `kvlib.timing.round_robin` does). Float matrices only: a quantized
+    model's matrices are read by its own kernels, which only its decode step times.
+    """
+    if not isinstance(repeats, int) or repeats < 0:
+        raise ValueError(f"repeats must be an int >= 0, got {repeats!r}")
+    if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
+        raise TypeError("bare_matvecs times float matrices; this model holds kvlib.wquant layers, "
+                        "whose kernels only its decode step times")
     weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
     rows = {w.shape[0]: torch.full((1, w.shape[0]), 0.01, dtype=w.dtype) for w in weights}
     best = math.inf
@@ -41,6 +51,14 @@ def bare_matvecs(model: Transformer, repeats: int = 20) -> float:
             rows[w.shape[0]] @ w
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def same_bytes(model: Transformer, ids: torch.Tensor, context: int, repeats: int) -> dict:
+    """(e) A decode step at ``context`` and `bare_matvecs` over the same matrices, taking
+    turns, each the fastest of ``repeats``: the share of the step the matvecs would fill."""
+    step = timing.decode_stepper(model, ids, context)
+    best = timing.round_robin({"decode": step, "matvecs": lambda: bare_matvecs(model, 0)}, repeats=repeats)
+    return {"decode_ms": 1e3 * best["decode"], "matvec_ms": 1e3 * best["matvecs"]}
 
 
 def scored(model: Transformer, ids: torch.Tensor) -> Score:
@@ -148,7 +166,7 @@ def fast_rows(r: dict, plan) -> list[tuple[str, ...]]:
     sb, prec, h, sk = r["same_bytes"], r["precision"], r["hf_bf16"], r["split_kv"]
     rows = [("same bytes", f"decode, context {plan.contexts[0]}", f"{sb['decode_ms']:.1f} ms",
              f"matvecs {sb['matvec_ms']:.1f} ms", f"{100 * sb['matvec_ms'] / sb['decode_ms']:.0f}%",
-             "x @ W over the model's own matrices, as a share of the step")]
+             "x @ W over the model's own matrices vs the step, fastest of each, taking turns")]
     for name, p in prec.items():
         rows.append(("precision", f"{name} weights, context {plan.contexts[0]}", f"{p['ms']:.1f} ms/token",
                      f"fp32 {prec['fp32']['ms']:.1f} ms", f"{p['speedup']:.2f}x",

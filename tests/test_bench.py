@@ -76,3 +76,17 @@ def test_the_stored_bench_record_is_a_full_run():
     assert all(g["identical"] for g in r["generation"].values()) and r["hf"]["identical"]
     with pytest.raises(ValueError, match="no stored bench record 'gpu'"):
         bench_record("gpu")
+
+
+def test_bare_matvecs_refuses_what_it_cannot_time():
+    from kvlib import ModelConfig, Transformer
+    from kvlib.bench_fast import bare_matvecs
+    from kvlib.wquant import quantize_weights
+
+    cfg = ModelConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=64, max_seq_len=32)
+    model = Transformer(cfg)
+    assert bare_matvecs(model, repeats=0) > 0  # one sweep
+    with pytest.raises(ValueError, match="repeats must be an int >= 0, got -1"):
+        bare_matvecs(model, repeats=-1)
+    with pytest.raises(TypeError, match="kvlib.wquant layers"):
+        bare_matvecs(quantize_weights(model, "int8"), repeats=0)
