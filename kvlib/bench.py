@@ -22,13 +22,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
 from . import cost, timing
-from .bench_fast import compiled_step, fast_rows, fast_targets, hf_bf16, precision_ladder, same_bytes, split_vs_sdpa
+from .bench_fast import (compiled_step, fast_rows, fast_targets, hf_bf16, precision_ladder, race_hf, same_bytes,
+                         split_vs_sdpa)
 from .data import tiny_shakespeare
 from .generate import generate, generate_naive
 from .model import Transformer
@@ -94,21 +94,9 @@ def load_hf_smollm2():
 
 def hf_vs_kvlib(model: Transformer, hf, ids: torch.Tensor, n: int, repeats: int = 3) -> dict:
     """Tokens/s of HF and kvlib greedy generation, runs alternated so noise hits both."""
-    mask = torch.ones_like(ids)
-    runs = {
-        "hf": lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False),
-        "kvlib": lambda: generate(model, ids, n),
-    }
-    times, outs = {k: [] for k in runs}, {}
-    for _ in range(1 + repeats):  # the first round is warmup
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            outs[name] = run()
-            times[name].append(time.perf_counter() - t0)
-    hf_tps = n / statistics.median(times["hf"][1:])
-    kv_tps = n / statistics.median(times["kvlib"][1:])
-    same = torch.equal(outs["hf"], outs["kvlib"])
-    return {"new_tokens": n, "hf_tok_s": hf_tps, "kvlib_tok_s": kv_tps, "ratio": kv_tps / hf_tps, "identical": same}
+    tps, outs = race_hf(model, hf, ids, n, repeats)
+    return {"new_tokens": n, "hf_tok_s": tps["hf"], "kvlib_tok_s": tps["kvlib"], "ratio": tps["kvlib"] / tps["hf"],
+            "identical": torch.equal(outs["hf"], outs["kvlib"])}
 
 
 # -- the four sections ----------------------------------------------------------------------

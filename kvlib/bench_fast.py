@@ -99,25 +99,29 @@ def precision_ladder(ids: torch.Tensor, text: torch.Tensor, context: int, steps:
     return out
 
 
-def hf_bf16(hf, ids: torch.Tensor, n: int, repeats: int = 3) -> dict:
-    """(g) kvlib and HF greedy generation in bf16: tokens/s (runs alternated) and the identical prefix."""
-    model = load_smollm2(dtype=torch.bfloat16)[0]
-    hf = hf.to(torch.bfloat16)
+def race_hf(model: Transformer, hf, ids: torch.Tensor, n: int, repeats: int = 3) -> tuple[dict, dict]:
+    """Greedy generation of ``n`` tokens by HF and by kvlib, runs alternated so noise hits both:
+    (median tokens/s of each, the last output of each). The first round is warmup."""
     mask = torch.ones_like(ids)
     runs = {"hf": lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False),
             "kvlib": lambda: generate(model, ids, n)}
     times, outs = {k: [] for k in runs}, {}
-    for _ in range(1 + repeats):  # the first round is warmup
+    for _ in range(1 + repeats):
         for name, run in runs.items():
             t0 = time.perf_counter()
             outs[name] = run()
             times[name].append(time.perf_counter() - t0)
+    return {k: n / statistics.median(t[1:]) for k, t in times.items()}, outs
+
+
+def hf_bf16(hf, ids: torch.Tensor, n: int, repeats: int = 3) -> dict:
+    """(g) kvlib and HF greedy generation in bf16: tokens/s (runs alternated) and the identical prefix."""
+    tps, outs = race_hf(load_smollm2(dtype=torch.bfloat16)[0], hf.to(torch.bfloat16), ids, n, repeats)
     a, b = outs["hf"][0, ids.shape[1]:], outs["kvlib"][0, ids.shape[1]:]
     differ = (a != b).nonzero()
     prefix = int(differ[0, 0]) if len(differ) else n
-    hf_tps, kv_tps = (n / statistics.median(times[k][1:]) for k in ("hf", "kvlib"))
-    return {"new_tokens": n, "hf_tok_s": hf_tps, "kvlib_tok_s": kv_tps, "ratio": kv_tps / hf_tps,
+    return {"new_tokens": n, "hf_tok_s": tps["hf"], "kvlib_tok_s": tps["kvlib"], "ratio": tps["kvlib"] / tps["hf"],
             "identical_prefix": prefix}
 
 
