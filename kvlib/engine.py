@@ -8,11 +8,15 @@
 * `Engine`: ``step()`` is *schedule* (ask the scheduler), *run* (one model
   forward over a `PagedBatch`) and *process* (sample, emit, finish), for the
   admitted prompts and then for one decode step of every running sequence.
+  With a ``token_budget`` (vLLM's ``max_num_batched_tokens`` with chunked
+  prefill) a step decodes first and spends what is left of the budget on
+  prompt chunks, so a long prompt no longer stalls the sequences that run.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -65,6 +69,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)  # tokens emitted so far
     sid: int | None = None  # its id in the cache while it holds blocks
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
+    times: list[float] = field(default_factory=list)  # time.perf_counter() at each emitted token
 
     def __post_init__(self) -> None:
         if not isinstance(self.request, Request):
@@ -166,12 +171,22 @@ class Scheduler:
         return not self.waiting and not self.running
 
 
+@dataclass(eq=False)
+class _Prefill:
+    """A group part-way through its prefill: ``done`` of its tokens are in the cache."""
+
+    group: list[Sequence]
+    sid: int
+    done: int
+
+
 @dataclass
 class EngineStats:
     """Counts over an engine's life, kept in one place."""
 
     steps: int = 0
     prefill_tokens: int = 0  # prompt tokens run through the model (cache misses)
+    prefill_chunks: int = 0  # prefill forwards (one per group unless prompts are chunked)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     decode_tokens: int = 0
     preemptions: int = 0
@@ -187,6 +202,12 @@ class Engine:
     sequence together, whatever their lengths. When the pool runs short, the newest
     sequence is *preempted*: its blocks are freed and it is queued again with its
     tokens so far, to be recomputed (prefix caching often makes that cheap).
+
+    ``token_budget=None`` prefills each admitted prompt whole, in one forward. An int
+    caps the tokens of one step: the running sequences' decode tokens first, then
+    chunks of waiting prompts with what is left (chunked prefill). A prompt may then
+    take several steps to prefill, and the sequences already running emit a token at
+    every one of them; the tokens are the same either way.
     """
 
     def __init__(
@@ -195,6 +216,7 @@ class Engine:
         cache: PagedCache,
         *,
         max_batch: int = 64,
+        token_budget: int | None = None,
         stop: Iterable[int] = (),
         generator: torch.Generator | None = None,
     ) -> None:
@@ -210,6 +232,8 @@ class Engine:
             )
         self.model, self.cache = model, cache
         self.scheduler = Scheduler(cache, max_batch)
+        self.token_budget = None if token_budget is None else positive_int("token_budget", token_budget)
+        self._prefilling: _Prefill | None = None  # the group whose prompt is part-way into the cache
         self.stop = {int(t) for t in stop}
         self.generator = generator
         self.requests: dict[int, Request] = {}
@@ -259,55 +283,88 @@ class Engine:
 
     # -- one iteration: schedule, run, process --------------------------------------------------------
     def step(self) -> None:
-        """Prefill what the scheduler admits, then one decode step for every running sequence."""
-        self.prefill()
-        self._note_peak()  # after admission: the forks' shared blocks
-        self.decode()
+        """Prefill what the scheduler admits, then one decode step for every running sequence;
+        with a ``token_budget``, decode first and prefill chunks with the rest of the budget."""
+        if self.token_budget is None:
+            self.prefill()
+            self._note_peak()  # after admission: the forks' shared blocks
+            self.decode()
+        else:
+            self.prefill(self.token_budget - self.decode())
         self.stats.steps += 1
 
-    def prefill(self) -> None:
-        """Admit waiting groups while they fit; each is prefilled once and forked per sample."""
-        while (group := self.scheduler.admit()) is not None:
+    def prefill(self, budget: int | None = None) -> None:
+        """Admit waiting groups while they fit, and run their prompts through the model, at most
+        ``budget`` tokens in all (None: every admitted prompt whole). A group whose prompt is
+        done is forked once per sample; one that is not goes on at the next call."""
+        while budget is None or budget > 0:
+            if self._prefilling is None:
+                group = self.scheduler.admit()
+                if group is None:
+                    return
+                sid, cached = self.cache.add(group[0].tokens)  # prefix-cache hits are not run again
+                self._prefilling = _Prefill(group, sid, cached)
+                self.stats.cached_tokens += cached
+                for seq in group:
+                    seq.cached_tokens = cached
+            p = self._prefilling
+            left = len(p.group[0].tokens) - p.done
+            n = left if budget is None else min(budget, left)
+            if self.cache.blocks_needed([p.sid], n) > self.cache.allocator.num_free:
+                self._abandon_prefill()  # running sequences took the blocks: recompute it later
+                self.stats.preemptions += 1
+                return
             try:
-                tokens = self._run_prefill(group)
+                picks = self._run_prefill(p, n)
             except BaseException:
-                self.scheduler.requeue(group)
+                self._abandon_prefill()
                 raise
-            for seq, token in zip(group, tokens):
-                self.scheduler.start(seq)
-                self._emit(seq, token)
+            if budget is not None:
+                budget -= n
+            if picks is not None:  # the prompt is in: fork per sample and emit each first token
+                self._prefilling = None
+                sids = [p.sid] + [self.cache.fork(p.sid) for _ in p.group[1:]]  # forks share the prompt's blocks
+                for seq, sid, token in zip(p.group, sids, picks):
+                    seq.sid = sid
+                    self.scheduler.start(seq)
+                    self._emit(seq, token)
 
-    def decode(self) -> None:
-        """One batched decode step for every running sequence (preempting if blocks run short)."""
+    def _abandon_prefill(self) -> None:
+        """Drop a half-prefilled group's blocks and queue it first in line: nothing was emitted."""
+        p, self._prefilling = self._prefilling, None
+        self.cache.free(p.sid)
+        self.scheduler.requeue(p.group)
+
+    def decode(self) -> int:
+        """One batched decode step for every running sequence (preempting if blocks run short).
+        Returns how many tokens it ran."""
         seqs, preempted = self.scheduler.schedule_decode()
         self.stats.preemptions += len(preempted)
         if not seqs:
-            return
+            return 0
         tokens = self._run_decode(seqs)
         self.stats.decode_tokens += len(seqs)
         self.stats.peak_batch = max(self.stats.peak_batch, len(seqs))
         for seq, token in zip(seqs, tokens):
             self._emit(seq, token)
+        return len(seqs)
 
     @torch.inference_mode()
-    def _run_prefill(self, group: list[Sequence]) -> list[int]:
-        """The group's tokens through the model once; returns one sampled token per sample."""
-        tokens = group[0].tokens
-        sid, cached = self.cache.add(tokens)
-        todo = tokens[cached:]  # what the cache lacks
-        try:
-            with self.cache.step([sid], [todo]) as batch:  # token ids stay on the host for the cache
-                logits = self.model(torch.tensor([todo], device=self.model.device), batch, last_only=True)[0, -1]
-                picks = self._sample(group, [logits] * len(group))  # before the commit: an error drops the step
-            self._note_peak()
-        except BaseException:
-            self.cache.free(sid)  # leave no half-made sequence behind
-            raise
-        self.stats.prefill_tokens += len(todo)
-        self.stats.cached_tokens += cached
-        sids = [sid] + [self.cache.fork(sid) for _ in group[1:]]  # parallel samples share the prompt's blocks
-        for seq, s in zip(group, sids):
-            seq.sid, seq.cached_tokens = s, cached
+    def _run_prefill(self, p: _Prefill, n: int) -> list[int] | None:
+        """The group's next ``n`` prompt tokens through the model; after the last chunk, one
+        sampled token per sample (None before it)."""
+        tokens = p.group[0].tokens
+        chunk = tokens[p.done : p.done + n]
+        last = p.done + n == len(tokens)
+        picks = None
+        with self.cache.step([p.sid], [chunk]) as batch:  # token ids stay on the host for the cache
+            logits = self.model(torch.tensor([chunk], device=self.model.device), batch, last_only=True)[0, -1]
+            if last:
+                picks = self._sample(p.group, [logits] * len(p.group))  # before the commit: an error drops the step
+        self._note_peak()
+        p.done += n
+        self.stats.prefill_tokens += n
+        self.stats.prefill_chunks += 1
         return picks
 
     @torch.inference_mode()
@@ -332,6 +389,7 @@ class Engine:
         """Record the sequence's next token, and finish the sequence if it is done."""
         req = seq.request
         seq.output.append(token)
+        seq.times.append(time.perf_counter())
         if token in self.stop or token in req.params.stop or len(seq.output) >= req.params.max_new_tokens:
             self.scheduler.finish(seq)
 
@@ -340,7 +398,7 @@ class Engine:
 
     @property
     def finished(self) -> bool:
-        return self.scheduler.idle
+        return self.scheduler.idle and self._prefilling is None
 
     def run(self) -> dict[int, list[list[int]]]:
         """Step until every request is done; returns ``{request id: [tokens of each sample]}``."""

@@ -1,7 +1,11 @@
 """The serving engine's parts: Sequence (a state enum), Scheduler (no tensors), Engine (schedule, run, process)."""
 
+import random
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvlib
 from kvlib import SamplingParams
@@ -140,3 +144,97 @@ def test_the_engine_reads_the_device_once_per_step(tiny, monkeypatch):
     eng.decode()
     monkeypatch.undo()
     assert reads == [(3,)]  # one read: the three sampled tokens
+
+
+# -- chunked prefill: a per-step token budget ---------------------------------------------------------
+def _run_with_arrivals(model, cache, prompts, arrive, max_new, **engine_kwargs):
+    """Each prompt is added at the step ``arrive[i]`` says; returns (outputs, engine)."""
+    eng = Engine(model, cache, **engine_kwargs)
+    rids, step = {}, 0
+    while len(rids) < len(prompts) or not eng.finished:
+        for i, a in enumerate(arrive):
+            if a == step:
+                rids[i] = eng.add(prompts[i], max_new)
+        eng.step()
+        step += 1
+        assert step < 1000
+    out = eng.run()
+    return [out[rids[i]][0] for i in range(len(prompts))], eng
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    budget=st.integers(1, 40),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    lengths=st.lists(st.integers(1, 45), min_size=1, max_size=4),
+    arrive=st.lists(st.integers(0, 6), min_size=4, max_size=4),
+    prefix=st.booleans(),
+)
+def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny, budget, block_size, lengths, arrive, prefix):
+    """Any token budget, block size, arrival order and prefix caching: the same greedy tokens
+    as each prompt through `kvlib.generate` alone, and every block returned at the end."""
+    rng = random.Random(sum(lengths) + budget)
+    shared = [rng.randrange(50) for _ in range(8)]  # a common start, so prefix caching has hits
+    prompts = [(shared + [rng.randrange(50) for _ in range(n)])[:n] for n in lengths]
+    want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=5)[0, len(p):].tolist() for p in prompts]
+    cache = PagedCache.for_model(tiny.config, num_blocks=200 // block_size + 8, block_size=block_size,
+                                 prefix_caching=prefix)
+    got, eng = _run_with_arrivals(tiny, cache, prompts, arrive[: len(prompts)], 5, token_budget=budget)
+    assert got == want
+    assert cache.allocator.num_used == 0 and not cache.seqs
+    cache.check()
+    assert eng.stats.prefill_tokens + eng.stats.cached_tokens >= sum(lengths)
+
+
+def test_chunked_prefill_keeps_the_running_sequences_decoding(tiny):
+    """A 60-token prompt arrives while two sequences run. Whole, it is one forward and the
+    two wait for it; with a budget of 12 tokens a step, each step decodes the two (2 tokens)
+    and prefills 10, so the prompt takes ceil(60 / 10) = 6 steps and the two emit at each."""
+    short, long = [[1, 2, 3], [4, 5]], [(7 * i) % 50 for i in range(60)]
+    for budget, chunks in ((None, 1), (12, 6)):
+        cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
+        eng = Engine(tiny, cache, token_budget=budget)
+        for p in short:
+            eng.add(p, 20)
+        eng.step()
+        eng.step()  # both run now
+        rid = eng.add(long, 3)
+        seq = eng.requests[rid].seqs[0]
+        steps = 0
+        emitted = [len(eng.requests[i].seqs[0].output) for i in range(2)]
+        while not seq.output:
+            eng.step()
+            steps += 1
+        assert steps == chunks and eng.stats.prefill_chunks == 2 + chunks
+        assert [len(eng.requests[i].seqs[0].output) for i in range(2)] == [e + steps for e in emitted]
+        assert eng.run()[rid][0] == kvlib.generate(tiny, torch.tensor([long]), max_new_tokens=3)[0, 60:].tolist()
+
+
+def test_a_prefill_that_runs_out_of_blocks_is_put_back_and_recomputed(tiny, monkeypatch):
+    """A 16-token prompt is admitted (9 of 20 blocks of 2 are needed, 14 are free) while two
+    sequences run; at 2 prompt tokens a step, their growth takes the blocks it still needs.
+    The half-prefilled prompt gives its blocks back, waits, and its tokens are still exact."""
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8], list(range(10, 26))]
+    want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=16)[0, len(p):].tolist() for p in prompts]
+    abandoned = []
+    real = Engine._abandon_prefill
+    monkeypatch.setattr(Engine, "_abandon_prefill", lambda self: (abandoned.append(1), real(self)))
+    cache = PagedCache.for_model(tiny.config, num_blocks=20, block_size=2, prefix_caching=False)
+    got, eng = _run_with_arrivals(tiny, cache, prompts, [0, 0, 2], 16, token_budget=4)
+    assert got == want and abandoned and eng.stats.preemptions >= len(abandoned)
+    assert cache.allocator.num_used == 0
+    cache.check()
+
+
+def test_token_times_are_recorded_per_emitted_token(tiny):
+    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=16, block_size=4), token_budget=8)
+    eng.add([1, 2, 3], 5)
+    eng.run()
+    seq = eng.requests[0].seqs[0]
+    assert len(seq.times) == len(seq.output) == 5 and seq.times == sorted(seq.times)
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, True])
+def test_a_token_budget_must_be_a_positive_int(tiny, budget):
+    with pytest.raises(ValueError, match="token_budget must be a positive int"):
+        Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4), token_budget=budget)
