@@ -74,6 +74,60 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], config: ModelConfig) -> d
     return out
 
 
+def state_dict_to_hf(sd: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """kvlib's weights under Hugging Face Llama names: `state_dict_from_hf` undone (split, transposed)."""
+    missing = [k for k in ("norm.weight", "lm_head.weight", "layers.0.attn.wqkv.weight") if k not in sd]
+    if missing:
+        raise KeyError(f"weights {missing} are missing: only a plain (unquantized) kvlib Transformer converts")
+
+    def t(x: torch.Tensor) -> torch.Tensor:  # (in, out) -> (out, in)
+        return x.t().contiguous()
+
+    H, H_kv, D, F = config.n_head, config.n_kv_head, config.head_dim, config.d_ff
+    out = {"model.norm.weight": sd["norm.weight"], "lm_head.weight": t(sd["lm_head.weight"])}
+    out["model.embed_tokens.weight"] = out["lm_head.weight"] if config.tie_embeddings else sd["tok_emb.weight"]
+    for i in range(config.n_layer):
+        p, k = f"model.layers.{i}.", f"layers.{i}."
+        q, k_, v = sd[k + "attn.wqkv.weight"].split([H * D, H_kv * D, H_kv * D], dim=1)  # columns [q | k | v]
+        gate, up = sd[k + "mlp.w_gate_up.weight"].split([F, F], dim=1)  # columns [gate | up]
+        out.update({
+            p + "input_layernorm.weight": sd[k + "attn_norm.weight"],
+            p + "post_attention_layernorm.weight": sd[k + "mlp_norm.weight"],
+            p + "self_attn.q_proj.weight": t(q), p + "self_attn.k_proj.weight": t(k_),
+            p + "self_attn.v_proj.weight": t(v), p + "self_attn.o_proj.weight": t(sd[k + "attn.wo.weight"]),
+            p + "mlp.gate_proj.weight": t(gate), p + "mlp.up_proj.weight": t(up),
+            p + "mlp.down_proj.weight": t(sd[k + "mlp.w_down.weight"]),
+        })
+    return out
+
+
+def to_hf(model: Transformer, *, attn_implementation: str = "sdpa"):
+    """A transformers ``LlamaForCausalLM`` with ``model``'s weights (copied), dtype and device.
+
+    The way to run Hugging Face's own code (its ``generate``, its caches, its
+    continuous-batching ``generate_batch`` with ``attn_implementation="paged|sdpa"``)
+    on exactly the weights a kvlib chapter uses, without loading the checkpoint again.
+    """
+    if not isinstance(model, Transformer):
+        raise TypeError(f"to_hf converts a kvlib Transformer, got {type(model).__name__}")
+    from transformers import LlamaConfig, LlamaForCausalLM  # imported here: kvlib does not need transformers
+    from transformers.initialization import no_init_weights
+
+    c = model.config
+    hf_config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.head_dim,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_base}, hidden_act="silu",
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation=attn_implementation,
+    )
+    sd = {k: v.detach().clone() for k, v in state_dict_to_hf(model.state_dict(), c).items()}
+    with no_init_weights():  # every weight is overwritten below: skip the random init
+        hf = LlamaForCausalLM(hf_config).to(dtype=model.dtype)
+    hf.load_state_dict(sd, strict=True)
+    return hf.to(model.device).eval()
+
+
 def from_state_dict(
     config: ModelConfig,
     sd: Mapping[str, torch.Tensor],

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvlib
-from kvlib.hf import config_from_hf, from_hf
+from kvlib.hf import config_from_hf, from_hf, to_hf
 
 # fp32, same weights, different kernels and summation orders (fused vs separate matmuls,
 # (in, out) vs (out, in) layout): logits agree to about 1e-5 of their scale.
@@ -53,6 +53,33 @@ def test_random_llama_greedy_tokens_match_hf_generate():
     assert torch.equal(kvlib.generate(ours, ids, 20), ref)
 
 
+@given(tied=st.booleans(), n_kv_head=st.sampled_from([1, 2]), seed=st.integers(0, 100))
+def test_to_hf_gives_back_the_hf_weights_and_function(tied, n_kv_head, seed):
+    """HF -> kvlib -> HF: every HF tensor comes back bit for bit, and HF's forward on the
+    converted model equals the original's."""
+    hf = random_hf_llama(2, 2 * n_kv_head, n_kv_head, 8, tied, seed)
+    back = to_hf(from_hf(hf), attn_implementation="eager")
+    want = hf.state_dict()
+    got = back.state_dict()
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+    ids = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        assert torch.equal(back(ids).logits, hf(ids).logits)  # same weights, same code: same bits
+
+
+def test_to_hf_refuses_what_it_cannot_convert():
+    with pytest.raises(TypeError, match="converts a kvlib Transformer"):
+        to_hf(random_hf_llama(1, 2, 1, 8, False, seed=0))
+    from kvlib.wquant import quantize_weights
+
+    tiny = kvlib.Transformer(kvlib.ModelConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_ff=32,
+                                               vocab_size=40, max_seq_len=32))
+    with pytest.raises(KeyError, match="only a plain"):
+        to_hf(quantize_weights(tiny, "int8"))
+
+
 def test_config_from_hf_reads_rope_and_heads():
     hf = random_hf_llama(2, 6, 2, 8, True, seed=3)
     c = config_from_hf(hf.config)
@@ -76,6 +103,15 @@ def test_smollm2_weights_equal_hf_gguf_loader(smollm2, hf_smollm2):
     for (name, a), (name_b, b) in zip(ours.state_dict().items(), reference.state_dict().items()):
         assert name == name_b
         assert torch.equal(a, b), name
+
+
+@pytest.mark.smollm2
+def test_smollm2_to_hf_equals_hf_gguf_loader(smollm2, hf_smollm2):
+    """kvlib's weights handed to transformers equal what transformers' own GGUF loader reads."""
+    mine, want = to_hf(smollm2[0]).state_dict(), hf_smollm2[0].state_dict()
+    assert set(mine) == set(want)
+    for name, w in want.items():
+        assert torch.equal(mine[name], w), name
 
 
 @pytest.mark.smollm2
