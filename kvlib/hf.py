@@ -18,6 +18,7 @@ import torch
 from .cache import Cache
 from .config import ModelConfig
 from .model import Transformer
+from .validate import positive_int
 
 
 def config_from_hf(hf_config) -> ModelConfig:
@@ -111,14 +112,18 @@ def to_hf(model: Transformer, *, attn_implementation: str = "sdpa"):
     if not isinstance(model, Transformer):
         raise TypeError(f"to_hf converts a kvlib Transformer, got {type(model).__name__}")
     from transformers import LlamaConfig, LlamaForCausalLM  # imported here: kvlib does not need transformers
-    from transformers.initialization import no_init_weights
+
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights  # transformers 4
 
     c = model.config
     hf_config = LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff, num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.head_dim,
         max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_base}, hidden_act="silu",
+        rope_theta=c.rope_base, hidden_act="silu",  # transformers 5 moves it into rope_parameters itself
         bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation=attn_implementation,
     )
     sd = {k: v.detach().clone() for k, v in state_dict_to_hf(model.state_dict(), c).items()}
@@ -126,6 +131,44 @@ def to_hf(model: Transformer, *, attn_implementation: str = "sdpa"):
         hf = LlamaForCausalLM(hf_config).to(dtype=model.dtype)
     hf.load_state_dict(sd, strict=True)
     return hf.to(model.device).eval()
+
+
+def hf_generate_batch(
+    hf_model, prompts: list[list[int]], max_new_tokens: int, *, num_blocks: int = 64, block_size: int = 16,
+    token_budget: int = 256,
+) -> list[list[int]]:
+    """Greedy continuous batching by Hugging Face's own engine: ``generate_batch`` over its
+    paged cache. Returns each prompt's new tokens.
+
+    The pool is sized as kvlib's `Engine` would be: ``num_blocks`` blocks of
+    ``block_size`` tokens (HF's ``page_size``), at most ``token_budget`` tokens a step
+    (HF's ``max_batch_tokens``). Left to size itself, HF reserves a share of free
+    memory, which on a CPU costs seconds. No stop token: every prompt gets
+    ``max_new_tokens``. (transformers 5.24 pages its "sdpa" attention itself; older
+    versions wanted ``attn_implementation="paged|sdpa"``.)
+    """
+    import transformers
+
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError as e:
+        raise ImportError(f"hf_generate_batch needs transformers 5 (its ContinuousBatchingConfig); "
+                          f"this is {transformers.__version__}") from e
+
+    prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts or any(not p for p in prompts):
+        raise ValueError(f"hf_generate_batch needs non-empty prompts, got lengths {[len(p) for p in prompts]}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("num_blocks", num_blocks), ("block_size", block_size),
+                        ("token_budget", token_budget)):
+        positive_int(name, value)
+    generation = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batching = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=block_size, max_batch_tokens=token_budget)
+    out = hf_model.generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=batching,
+                                  progress_bar=False, warmup=False)
+    results = sorted(out.values(), key=lambda r: int(r.request_id.rsplit("_", 1)[1]))  # "req_0", "req_1", ...
+    if [list(r.prompt_ids) for r in results] != prompts:
+        raise RuntimeError("generate_batch returned its requests in an order this wrapper does not recognise")
+    return [list(r.generated_tokens) for r in results]
 
 
 def from_state_dict(

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvlib
-from kvlib.hf import config_from_hf, from_hf, to_hf
+from kvlib.hf import config_from_hf, from_hf, hf_generate_batch, to_hf
 
 # fp32, same weights, different kernels and summation orders (fused vs separate matmuls,
 # (in, out) vs (out, in) layout): logits agree to about 1e-5 of their scale.
@@ -167,3 +167,47 @@ def test_smollm2_ragged_batch_equals_each_prompt_alone(smollm2):
     for i, p in enumerate(prompts):
         alone = kvlib.generate(model, p, 24)[0]
         assert out[i, T - len(p):].tolist() == alone.tolist(), f"prompt {i} changed when batched"
+
+
+# -- Hugging Face's continuous-batching engine on the same requests ---------------------------------
+try:  # the main job's transformers (requirements.txt) has it; the dependency-floors job's 4.56 does not
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: F401
+    HAS_GENERATE_BATCH = True
+except ImportError:
+    HAS_GENERATE_BATCH = False
+needs_generate_batch = pytest.mark.skipif(not HAS_GENERATE_BATCH, reason="generate_batch's config is transformers 5")
+
+
+@needs_generate_batch
+def test_hf_generate_batch_equals_kvlib_engine_on_a_random_model(tiny_model):
+    """HF's generate_batch (paged cache, continuous batching) and kvlib's Engine, greedy, on
+    prompts of different lengths: the same tokens, and HF's attention setting is restored."""
+    hf = to_hf(tiny_model)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18, 19]]
+    eng = kvlib.Engine(tiny_model, kvlib.PagedCache.for_model(tiny_model.config, num_blocks=32, block_size=4))
+    for p in prompts:
+        eng.add(p, 9)
+    want = [v[0] for v in eng.run().values()]
+    assert hf_generate_batch(hf, prompts, 9, num_blocks=32, block_size=4) == want
+    assert hf.config._attn_implementation == "sdpa"
+
+
+@needs_generate_batch
+def test_hf_generate_batch_refuses_bad_input(tiny_model):
+    hf = to_hf(tiny_model)
+    with pytest.raises(ValueError, match="non-empty prompts"):
+        hf_generate_batch(hf, [[1, 2], []], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        hf_generate_batch(hf, [[1, 2]], 0)
+
+
+@pytest.mark.smollm2
+@needs_generate_batch
+def test_hf_generate_batch_equals_kvlib_engine_on_smollm2(smollm2):
+    model, tok = smollm2
+    prompts = [tok.encode(t) for t in PROMPTS]
+    eng = kvlib.Engine(model, kvlib.PagedCache.for_model(model.config, num_blocks=32, block_size=16))
+    for p in prompts:
+        eng.add(p, 10)
+    want = [v[0] for v in eng.run().values()]
+    assert hf_generate_batch(to_hf(model), prompts, 10) == want
