@@ -207,6 +207,15 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
+def hf_cache_bytes(cache) -> int:
+    """Bytes of every tensor that a transformers ``Cache``'s layers hold (what it stores, as
+    `kvlib.Cache.nbytes` counts for kvlib's caches)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"hf_cache_bytes needs a transformers Cache with .layers, got {type(cache).__name__}")
+    return sum(_tensor_bytes(list(vars(layer).values())) for layer in layers)
+
+
 class HFQuantizedCache(Cache):
     """Hugging Face's ``transformers.QuantizedCache`` behind kvlib's protocol, so a kvlib model runs on it.
 
@@ -239,7 +248,7 @@ class HFQuantizedCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        return sum(_tensor_bytes(list(vars(layer).values())) for layer in self.hf.layers)
+        return hf_cache_bytes(self.hf)
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError(f"Hugging Face's quantized cache ({self.backend!r}) cannot be cropped")

@@ -267,3 +267,43 @@ class RadixCache:
 
     def __repr__(self) -> str:
         return f"RadixCache(capacity_tokens={self.capacity_tokens}, total_tokens={self.total_tokens}, edges={len(self)})"
+
+
+# -- the two prefix indexes side by side ---------------------------------------------------------------
+class PrefixHits(NamedTuple):
+    """What `prefix_hits` found: per request, the prompt tokens each index already held."""
+
+    radix: list[int]  # token granularity: the longest cached prefix
+    chain: list[int]  # block granularity: the cached full blocks of it
+    radix_tokens: int  # tokens the tree holds at the end (each distinct prefix once)
+    chain_blocks: int  # sealed (full, reusable) blocks the hash chain holds at the end
+
+
+def prefix_hits(requests: Iterable[Iterable[int]], block_size: int = 16) -> PrefixHits:
+    """Serve ``requests`` in order through a `RadixCache` and through the block hash chain of
+    `kvlib.blocks` (as `kvlib.paged.PagedCache.add` looks it up), caching each whole request
+    afterwards, with room for everything (no eviction). Counts only; no tensors."""
+    from .blocks import BlockAllocator  # the chapter-9 index
+
+    requests = [RadixCache._check_tokens(r, "request") for r in requests]
+    bs = positive_int("block_size", block_size)
+    alloc = BlockAllocator(sum(-(-len(r) // bs) for r in requests) or 1, bs)
+    tree, slots = RadixCache(sum(len(r) for r in requests) or 1), 0
+    radix, chain = [], []
+    for r in requests:
+        radix.append(tree.match_prefix(r).length)
+        tree.insert(r, range(slots, slots + len(r)))  # the values stand for KV slots
+        slots += len(r)
+        table, parent = [], None
+        for i in range(len(r) // bs):
+            parent = alloc.lookup(parent, r[i * bs : (i + 1) * bs])
+            if parent is None:
+                break  # a chain: after the first miss nothing later can hit
+            table.append(parent)
+        chain.append(len(table) * bs)
+        table += [alloc.allocate() for _ in range(-(-len(r) // bs) - len(table))]
+        alloc.seal_full(table, list(r), since=chain[-1])
+        for b in table:
+            alloc.free(b)  # sealed blocks stay cached; a part-filled tail is simply free again
+    sealed = sum(alloc.is_sealed(b) for b in range(alloc.num_blocks))
+    return PrefixHits(radix, chain, tree.total_tokens, sealed)

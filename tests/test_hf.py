@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvlib
-from kvlib.hf import config_from_hf, from_hf, hf_generate_batch, to_hf
+from kvlib.hf import config_from_hf, from_hf, hf_cache_bytes, hf_generate_batch, to_hf
 
 # fp32, same weights, different kernels and summation orders (fused vs separate matmuls,
 # (in, out) vs (out, in) layout): logits agree to about 1e-5 of their scale.
@@ -67,6 +67,18 @@ def test_to_hf_gives_back_the_hf_weights_and_function(tied, n_kv_head, seed):
     ids = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(seed))
     with torch.inference_mode():
         assert torch.equal(back(ids).logits, hf(ids).logits)  # same weights, same code: same bits
+
+
+def test_hf_cache_bytes_counts_what_hf_stores():
+    """A DynamicCache after 7 tokens of a 2-layer model: 2 layers x (K, V) x (1, 2, 7, 8) fp32."""
+    from transformers import DynamicCache
+
+    hf = random_hf_llama(2, 4, 2, 8, False, seed=1)
+    cache = DynamicCache(config=hf.config)
+    hf(torch.arange(7)[None], past_key_values=cache, use_cache=True)
+    assert hf_cache_bytes(cache) == 2 * 2 * (1 * 2 * 7 * 8) * 4
+    with pytest.raises(TypeError, match="needs a transformers Cache"):
+        hf_cache_bytes(kvlib.DynamicCache(2))
 
 
 def test_to_hf_refuses_what_it_cannot_convert():

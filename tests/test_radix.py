@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvlib.blocks import BlockAllocator
-from kvlib.radix import CacheFull, Match, RadixCache
+from kvlib.radix import CacheFull, Match, RadixCache, prefix_hits
 
 
 # -- the reference: every cached prefix, explicitly -----------------------------------------------
@@ -351,6 +351,28 @@ def test_multi_turn_chat_tree_hits():
     assert chain == [n // BS * BS for n in expected]  # only the full blocks of it
     assert all(0 <= r - c < BS for r, c in zip(radix, chain)) and sum(radix) > sum(chain)
     assert sum(c > 0 for c in chain) >= 20  # the workload does share: most turns hit
+
+
+def test_prefix_hits_serves_both_indexes_like_the_references_here():
+    """kvlib.radix.prefix_hits against this file's two serving loops, on a branching chat tree,
+    and the memory each index keeps: every distinct prefix token once; the full blocks."""
+    rng = random.Random(3)
+    system = [rng.randrange(1000, 2000) for _ in range(21)]
+    done = []
+    for _ in range(25):
+        base = rng.choice(done) if done and rng.random() < 0.7 else system
+        done.append(base + [rng.randrange(1000) for _ in range(rng.randint(1, 40))])
+    got = prefix_hits(done, BS)
+    radix, chain = serve_both(done)
+    assert (got.radix, got.chain) == (radix, chain)
+    distinct = {tuple(r[: i + 1]) for r in done for i in range(len(r))}
+    assert got.radix_tokens == len(distinct)
+    full = {tuple(r[: (i + 1) * BS]) for r in done for i in range(len(r) // BS)}
+    assert got.chain_blocks == len(full)
+    with pytest.raises(ValueError, match="request needs at least one token"):
+        prefix_hits([[1, 2], []])
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        prefix_hits([[1, 2]], 0)
 
 
 def _shared(a: list[int], b: list[int]) -> int:
