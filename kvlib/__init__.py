@@ -15,14 +15,14 @@ The top level holds what a chapter or an exercise reaches for first:
 Everything else lives in its module, one idea each: `kvlib.blocks`, `kvlib.paged`, `kvlib.evict`,
 `kvlib.engine`, `kvlib.memory`, `kvlib.simulate`, `kvlib.cost`, `kvlib.hardware`, `kvlib.quant`,
 `kvlib.gqa`, `kvlib.mla`, `kvlib.padding`, `kvlib.packed`, `kvlib.evaluate`, `kvlib.data`,
-`kvlib.kernels`, `kvlib.wquant`, `kvlib.radix`, `kvlib.speculative`, `kvlib.timing`, `kvlib.check`, `kvlib.validate` (all importable
+`kvlib.kernels`, `kvlib.wquant`, `kvlib.radix`, `kvlib.speculative`, `kvlib.chat`, `kvlib.timing`, `kvlib.check`, `kvlib.validate` (all importable
 after ``import kvlib``), and `kvlib.plot`, `kvlib.diagrams`, `kvlib.explorer`, `kvlib.bench`
 (with `kvlib.bench_fast`), which pull in plotting,
 widgets or Hugging Face and are imported on their own.
 """
 
 from . import (  # noqa: F401  (the modules, so that kvlib.memory etc. work after `import kvlib`)
-    blocks, check, cost, data, engine, evaluate, evict, gqa, hardware, kernels, memory, mla, packed, padding, paged, quant,
+    blocks, chat, check, cost, data, engine, evaluate, evict, gqa, hardware, kernels, memory, mla, packed, padding, paged, quant,
     radix, sampling, simulate, speculative, timing, validate, wquant,
 )
 from .attention import attention, attention_mask, causal_mask, grouped_attention, repeat_kv, softmax

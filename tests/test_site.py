@@ -82,7 +82,7 @@ def test_page_renders_offline(server, browser, doc):
     text = page.locator("article").inner_text()
     raw_tex = re.findall(r"\$\$|\\\(|\\\[|\\frac|\\sum|\\begin\{", text)
     assert not raw_tex, f"raw TeX left on the page (MathJax did not typeset it): {raw_tex[:5]}"
-    if doc.endswith(("ch01_naive", "ch02_prefill_decode", "ch03_where_cache_lives", "ch04_how_big", "ch05_step_time", "ch06_padding", "ch07_sharing_kv", "ch08_quantization", "ch09_paging", "ch10_long_context", "ch11_decode_fast")):
+    if doc.endswith(("ch01_naive", "ch02_prefill_decode", "ch03_where_cache_lives", "ch04_how_big", "ch05_step_time", "ch06_padding", "ch07_sharing_kv", "ch08_quantization", "ch09_paging", "ch10_long_context", "ch11_decode_fast", "ch12_serving")):
         assert page.locator("mjx-container").count() > 0, "expected typeset math on this page"
 
     broken = page.evaluate("() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
