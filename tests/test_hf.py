@@ -216,10 +216,14 @@ def test_hf_generate_batch_refuses_bad_input(tiny_model):
 @pytest.mark.smollm2
 @needs_generate_batch
 def test_hf_generate_batch_equals_kvlib_engine_on_smollm2(smollm2):
+    """The request set of the serving chapter (ch12), with more new tokens than it runs."""
     model, tok = smollm2
-    prompts = [tok.encode(t) for t in PROMPTS]
+    prompts = [tok.encode(t) for t in (
+        "The history of the Roman Empire began when", "def fibonacci(n):",
+        "A key-value cache speeds up transformer inference because",
+        "Once upon a time, in a small village by the sea, there lived")]
     eng = kvlib.Engine(model, kvlib.PagedCache.for_model(model.config, num_blocks=32, block_size=16))
     for p in prompts:
-        eng.add(p, 10)
+        eng.add(p, 16)
     want = [v[0] for v in eng.run().values()]
-    assert hf_generate_batch(to_hf(model), prompts, 10) == want
+    assert hf_generate_batch(to_hf(model), prompts, 16) == want
