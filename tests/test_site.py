@@ -99,24 +99,3 @@ def test_page_renders_offline(server, browser, doc):
         hrefs = page.eval_on_selector_all("a[href*='colab.research.google.com']", "els => els.map(e => e.href)")
         assert want in hrefs, f"Colab link {want} not among {hrefs}"
     page.close()
-
-
-def test_cache_explorer_renders_its_saved_state(server, browser):
-    """Chapter 4's ipywidgets panel is drawn from the widget state saved at build time, offline, once."""
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    external = []
-    page.on("request", lambda r: external.append(r.url) if urlparse(r.url).hostname not in ("127.0.0.1", None) and not r.url.startswith("data:") else None)
-    page.goto(f"{server}/book/ch04_how_big.html", wait_until="load")
-    page.wait_for_selector("svg.kv-bars", timeout=30_000)
-    assert page.locator(".widget-dropdown").count() == 3, "model, cache dtype and GPU dropdowns"
-    assert page.locator(".widget-slider").count() == 3, "batch, context and KV-head sliders"
-    assert page.locator("svg.kv-bars").count() == 1, "the panel was rendered more than once"
-    report = page.locator(".kv-report").inner_text()
-    assert "16.00 GiB of cache" in report and "Llama-2-7B" in report  # 8 x 4096 tokens x 0.5 MiB
-    bars = page.locator("svg.kv-bars rect.kv-bar")
-    assert bars.count() == 2 and all(bars.nth(i).bounding_box()["width"] > 0 for i in range(2))
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.locator(".kv-report").locator("xpath=ancestor::div[contains(@class, 'widget-vbox')][last()]").screenshot(
-        path=str(SHOTS / "ch04_explorer.png"))
-    assert not external, f"requests that left the machine: {external}"
-    page.close()
