@@ -236,6 +236,7 @@
     const wMax = output(out, "waste_max", "waste, reserving the context limit");
     const wPow2 = output(out, "waste_pow2", "waste, reserving a power of two");
     const wPaged = output(out, "waste_paged", "waste, paged");
+    const mean = output(out, "mean_len", "mean request length of this trace (prompt + output)");
     const figure = el("div", { class: "kv-figure" });
     out.append(el("p", {}, "Simulated by kvlib for " + p.requests + " requests and a pool of " +
                   p.pool.toLocaleString("en") + " token slots."), figure);
@@ -248,6 +249,7 @@
       show(wMax, row.max, pct(row.max));
       show(wPow2, row.pow2, pct(row.pow2));
       show(wPaged, paged, pct(paged));
+      show(mean, row.mean_len, row.mean_len.toFixed(0) + " tokens");
       figure.innerHTML = bars([["max", row.max, RED, pct(row.max)], ["pow2", row.pow2, GREY, pct(row.pow2)],
                                ["paged", paged, GREEN, pct(paged)]], 1,
                               "waste: max " + pct(row.max) + ", pow2 " + pct(row.pow2) +

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from .cache import Cache, StaticCache
 from .generate import stream
 from .model import Transformer
+from .validate import token_ids
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,7 @@ class ChatSession:
 
         Sampling keywords are `kvlib.stream`'s (``temperature``, ``stop``, ``seed`` ...).
         """
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise ValueError("a turn needs at least one token")
-        vocab = self.model.config.vocab_size
-        if min(tokens) < 0 or max(tokens) >= vocab:
-            raise IndexError(f"token ids must lie in [0, {vocab}), got min {min(tokens)} max {max(tokens)}")
+        tokens = token_ids("a turn", tokens, self.model.config.vocab_size)
         if not self.reuse:
             self.cache.reset()  # the baseline: forget everything, prefill it all again
         feed = self.unfed + tokens

@@ -27,7 +27,7 @@ from .blocks import OutOfBlocks
 from .model import Transformer
 from .paged import PagedCache
 from .sampling import SamplingParams, sample, sampling_params
-from .validate import positive_int
+from .validate import positive_int, token_ids
 
 
 class SeqState(enum.Enum):
@@ -252,12 +252,7 @@ class Engine:
 
         Sampling as in `kvlib.generate`: ``sampling=SamplingParams(...)`` or its fields as keywords.
         """
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("a request needs a non-empty prompt")
-        vocab = self.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise IndexError(f"prompt token ids must lie in [0, {vocab}), got min {min(prompt)} max {max(prompt)}")
+        prompt = token_ids("a request", prompt, self.model.config.vocab_size)
         params = sampling_params(sampling, max_new_tokens, **sampling_kwargs)
         positive_int("max_new_tokens", params.need_max_new_tokens())
         positive_int("n", n)

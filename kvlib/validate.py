@@ -21,3 +21,14 @@ def positive_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def token_ids(what: str, tokens: object, vocab_size: int) -> list[int]:
+    """``tokens`` as a list of ints, if it is non-empty and every id lies in ``[0, vocab_size)``;
+    else ``ValueError`` (empty) or ``IndexError`` (an id out of range), naming ``what``."""
+    ids = [int(t) for t in tokens]
+    if not ids:
+        raise ValueError(f"{what} needs at least one token (a non-empty prompt), got none")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise IndexError(f"{what}: token ids must lie in [0, {vocab_size}), got min {min(ids)} max {max(ids)}")
+    return ids

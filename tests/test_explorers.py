@@ -126,6 +126,8 @@ def test_paging_explorer_equals_simulate(browser, server):  # noqa: F811
             want = {"waste_max": simulate(trace, "max", memory_slots=pool, max_len=max_len).waste,
                     "waste_paged": simulate(trace, "paged", memory_slots=pool, max_len=max_len,
                                             block_size=block).waste}
+            mean = sum(r.total for r in trace) / len(trace)
+            assert float(value(box, "mean_len")) == pytest.approx(mean, rel=1e-12)
             for name, w in want.items():
                 shown = float(text(box, name).rstrip("%")) / 100
                 assert abs(shown - w) <= 0.0005 + 1e-12, (name, block, max_len, median)
