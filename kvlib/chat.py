@@ -77,7 +77,11 @@ class ChatSession:
             self.cache.reset()  # the baseline: forget everything, prefill it all again
         feed = self.unfed + tokens
         reused = self.cache.seq_len
-        reply = list(stream(self.model, feed, max_new_tokens, cache=self.cache, **sampling))
+        try:
+            reply = list(stream(self.model, feed, max_new_tokens, cache=self.cache, **sampling))
+        except BaseException:
+            self.cache.reset()  # it may hold part of a turn the history lacks: the next turn re-prefills
+            raise
         self.history += tokens + reply
         self.turns.append(Turn(tokens, reply, prefilled=len(feed), reused=reused))
         return reply

@@ -27,7 +27,7 @@ from .blocks import OutOfBlocks
 from .model import Transformer
 from .paged import PagedCache
 from .sampling import SamplingParams, sample, sampling_params
-from .validate import positive_int, token_ids
+from .validate import int_at_least, positive_int, token_ids
 
 
 class SeqState(enum.Enum):
@@ -203,9 +203,10 @@ class Engine:
     sequence is *preempted*: its blocks are freed and it is queued again with its
     tokens so far, to be recomputed (prefix caching often makes that cheap).
 
-    ``token_budget=None`` prefills each admitted prompt whole, in one forward. An int
-    caps the tokens of one step: the running sequences' decode tokens first, then
-    chunks of waiting prompts with what is left (chunked prefill). A prompt may then
+    ``token_budget=None`` prefills each admitted prompt whole, in one forward. With an
+    int, a step decodes every running sequence (one token each), then spends what is
+    left of the budget on chunks of waiting prompts (chunked prefill); keep the budget
+    above ``max_batch`` (vLLM requires it) so that the decode tokens alone never use it up. A prompt may then
     take several steps to prefill, and the sequences already running emit a token at
     every one of them; the tokens are the same either way.
     """
@@ -282,22 +283,27 @@ class Engine:
         with a ``token_budget``, decode first and prefill chunks with the rest of the budget."""
         if self.token_budget is None:
             self.prefill()
-            self._note_peak()  # after admission: the forks' shared blocks
             self.decode()
         else:
-            self.prefill(self.token_budget - self.decode())
+            self.prefill(max(0, self.token_budget - self.decode()))
         self.stats.steps += 1
 
     def prefill(self, budget: int | None = None) -> None:
         """Admit waiting groups while they fit, and run their prompts through the model, at most
         ``budget`` tokens in all (None: every admitted prompt whole). A group whose prompt is
         done is forked once per sample; one that is not goes on at the next call."""
+        if budget is not None:
+            int_at_least("budget", budget, 0)
         while budget is None or budget > 0:
             if self._prefilling is None:
                 group = self.scheduler.admit()
                 if group is None:
                     return
-                sid, cached = self.cache.add(group[0].tokens)  # prefix-cache hits are not run again
+                try:
+                    sid, cached = self.cache.add(group[0].tokens)  # prefix-cache hits are not run again
+                except BaseException:
+                    self.scheduler.requeue(group)
+                    raise
                 self._prefilling = _Prefill(group, sid, cached)
                 self.stats.cached_tokens += cached
                 for seq in group:

@@ -18,7 +18,7 @@ import torch
 from .cache import Cache
 from .config import ModelConfig
 from .model import Transformer
-from .validate import positive_int
+from .validate import positive_int, token_ids
 
 
 def config_from_hf(hf_config) -> ModelConfig:
@@ -126,7 +126,7 @@ def to_hf(model: Transformer, *, attn_implementation: str = "sdpa"):
         rope_theta=c.rope_base, hidden_act="silu",  # transformers 5 moves it into rope_parameters itself
         bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation=attn_implementation,
     )
-    sd = {k: v.detach().clone() for k, v in state_dict_to_hf(model.state_dict(), c).items()}
+    sd = state_dict_to_hf(model.state_dict(), c)  # load_state_dict copies: nothing is shared
     with no_init_weights():  # every weight is overwritten below: skip the random init
         hf = LlamaForCausalLM(hf_config).to(dtype=model.dtype)
     hf.load_state_dict(sd, strict=True)
@@ -155,18 +155,27 @@ def hf_generate_batch(
         raise ImportError(f"hf_generate_batch needs transformers 5 (its ContinuousBatchingConfig); "
                           f"this is {transformers.__version__}") from e
 
-    prompts = [[int(t) for t in p] for p in prompts]
+    if not callable(getattr(hf_model, "generate_batch", None)):
+        raise TypeError(f"hf_generate_batch needs a transformers model, got {type(hf_model).__name__}")
+    prompts = [list(p) for p in prompts]
     if not prompts or any(not p for p in prompts):
         raise ValueError(f"hf_generate_batch needs non-empty prompts, got lengths {[len(p) for p in prompts]}")
+    prompts = [token_ids(f"prompt {i}", p, hf_model.config.vocab_size) for i, p in enumerate(prompts)]
     for name, value in (("max_new_tokens", max_new_tokens), ("num_blocks", num_blocks), ("block_size", block_size),
                         ("token_budget", token_budget)):
         positive_int(name, value)
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if longest > num_blocks * block_size:
+        raise ValueError(f"a request of {longest} tokens does not fit {num_blocks} blocks of {block_size}")
     generation = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=block_size, max_batch_tokens=token_budget)
     out = hf_model.generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=batching,
                                   progress_bar=False, warmup=False)
-    results = sorted(out.values(), key=lambda r: int(r.request_id.rsplit("_", 1)[1]))  # "req_0", "req_1", ...
-    if [list(r.prompt_ids) for r in results] != prompts:
+    try:
+        results = sorted(out.values(), key=lambda r: int(r.request_id.rsplit("_", 1)[1]))  # "req_0", "req_1", ...
+    except ValueError:
+        results = None
+    if results is None or [list(r.prompt_ids) for r in results] != prompts:
         raise RuntimeError("generate_batch returned its requests in an order this wrapper does not recognise")
     return [list(r.generated_tokens) for r in results]
 

@@ -281,8 +281,9 @@ class PrefixHits(NamedTuple):
 
 def prefix_hits(requests: Iterable[Iterable[int]], block_size: int = 16) -> PrefixHits:
     """Serve ``requests`` in order through a `RadixCache` and through the block hash chain of
-    `kvlib.blocks` (as `kvlib.paged.PagedCache.add` looks it up), caching each whole request
-    afterwards, with room for everything (no eviction). Counts only; no tensors."""
+    `kvlib.blocks` (looked up as `kvlib.paged.PagedCache.add` does), caching each whole request
+    afterwards, with room for everything (no eviction). Counts only; no tensors. The hits are
+    the index's: `PagedCache.add` would still run a fully cached prompt's last token."""
     from .blocks import BlockAllocator  # the chapter-9 index
 
     requests = [RadixCache._check_tokens(r, "request") for r in requests]

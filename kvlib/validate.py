@@ -8,6 +8,8 @@ the argument's name and the value it got.
 
 from __future__ import annotations
 
+import operator
+
 
 def int_at_least(name: str, value: object, minimum: int) -> int:
     """``value`` if it is an int (not a bool) ``>= minimum``; else ``ValueError`` naming it."""
@@ -26,7 +28,12 @@ def positive_int(name: str, value: object) -> int:
 def token_ids(what: str, tokens: object, vocab_size: int) -> list[int]:
     """``tokens`` as a list of ints, if it is non-empty and every id lies in ``[0, vocab_size)``;
     else ``ValueError`` (empty) or ``IndexError`` (an id out of range), naming ``what``."""
-    ids = [int(t) for t in tokens]
+    ids = []
+    for t in tokens:
+        try:
+            ids.append(operator.index(t))  # ints, numpy ints, one-element integer tensors
+        except TypeError:
+            raise TypeError(f"{what}: token ids are integers, got {type(t).__name__} {t!r}") from None
     if not ids:
         raise ValueError(f"{what} needs at least one token (a non-empty prompt), got none")
     if min(ids) < 0 or max(ids) >= vocab_size:

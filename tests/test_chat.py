@@ -74,19 +74,23 @@ def test_forgetting_the_unfed_token_changes_the_reply(tiny):
 
 @pytest.mark.smollm2
 def test_chat_on_smollm2_reuse_equals_re_prefill(smollm2):
-    """Three turns through SmolLM2's chat template: identical replies, and reuse prefills
-    each turn once."""
+    """Three turns through SmolLM2's chat template, each reply closed as the template closes
+    it: identical replies, and reuse prefills each turn once."""
     model, tok = smollm2
+    end, newline = tok.encode("<|im_end|>"), tok.encode("\n")
     questions = ["What is the capital of France?", "And of Italy?", "Which is larger?"]
     chats = ChatSession(model), ChatSession(model, reuse=False)
-    messages = []
+    messages, reply = [], None
     for q in questions:
         before = tok.apply_chat_template(messages, add_generation_prompt=False) if messages else []
         messages.append({"role": "user", "content": q})
-        new = tok.apply_chat_template(messages)[len(before):]
-        replies = [c.say(new if c.turns else tok.apply_chat_template(messages), 12) for c in chats]
+        turn = tok.apply_chat_template(messages)[len(before):]
+        if reply is not None:
+            turn = (end if reply[-1:] != end else []) + newline + turn
+        replies = [c.say(turn, 12, stop=end) for c in chats]
         assert replies[0] == replies[1]
-        messages.append({"role": "assistant", "content": tok.decode(replies[0])})
+        reply = replies[0]
+        messages.append({"role": "assistant", "content": tok.decode([t for t in reply if t not in end])})
     assert chats[0].prefilled < chats[1].prefilled
 
 
@@ -106,3 +110,28 @@ def test_bad_input_is_refused(tiny):
         chat.say([], 3)
     with pytest.raises(IndexError, match=r"\[0, 50\), got min 1 max 50"):
         chat.say([1, 50], 3)
+    with pytest.raises(TypeError, match="token ids are integers"):
+        chat.say([1, 2.0], 3)
+
+
+def test_a_turn_that_fails_midway_leaves_the_next_turn_exact(tiny, monkeypatch):
+    """The cache held part of the failed turn, the history none of it: the session starts the
+    cache over, and the next turn re-prefills the history and gives generate's reply."""
+    turns = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    chat = ChatSession(tiny)
+    first = chat.say(turns[0], 4)
+    real, calls = type(tiny).forward, []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the failed turn's prefill and first decode step ran
+            raise KeyboardInterrupt("interrupted mid-reply")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny), "forward", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        chat.say([9, 10], 4)
+    monkeypatch.undo()
+    assert chat.history == turns[0] + first and chat.cache.seq_len == 0
+    want = reference_replies(tiny, turns, 4)
+    assert chat.say(turns[1], 4) == want[1]

@@ -147,19 +147,20 @@ def test_the_engine_reads_the_device_once_per_step(tiny, monkeypatch):
 
 
 # -- chunked prefill: a per-step token budget ---------------------------------------------------------
-def _run_with_arrivals(model, cache, prompts, arrive, max_new, **engine_kwargs):
-    """Each prompt is added at the step ``arrive[i]`` says; returns (outputs, engine)."""
+def _run_with_arrivals(model, cache, prompts, arrive, max_new, n=1, **engine_kwargs):
+    """Each prompt is added at the step ``arrive[i]`` says; returns (outputs, engine), the
+    outputs one list per sample when ``n > 1``."""
     eng = Engine(model, cache, **engine_kwargs)
     rids, step = {}, 0
     while len(rids) < len(prompts) or not eng.finished:
         for i, a in enumerate(arrive):
             if a == step:
-                rids[i] = eng.add(prompts[i], max_new)
+                rids[i] = eng.add(prompts[i], max_new, n=n)
         eng.step()
         step += 1
         assert step < 1000
     out = eng.run()
-    return [out[rids[i]][0] for i in range(len(prompts))], eng
+    return [out[rids[i]] if n > 1 else out[rids[i]][0] for i in range(len(prompts))], eng
 
 
 @settings(max_examples=25, deadline=None)
@@ -169,21 +170,24 @@ def _run_with_arrivals(model, cache, prompts, arrive, max_new, **engine_kwargs):
     lengths=st.lists(st.integers(1, 45), min_size=1, max_size=4),
     arrive=st.lists(st.integers(0, 6), min_size=4, max_size=4),
     prefix=st.booleans(),
+    n=st.sampled_from([1, 2]),
 )
-def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny, budget, block_size, lengths, arrive, prefix):
-    """Any token budget, block size, arrival order and prefix caching: the same greedy tokens
-    as each prompt through `kvlib.generate` alone, and every block returned at the end."""
+def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny, budget, block_size, lengths, arrive, prefix, n):
+    """Any token budget, block size, arrival order, prefix caching and 1 or 2 samples (forked
+    after the last chunk): the same greedy tokens as each prompt through `kvlib.generate`
+    alone, every block returned at the end, and every prompt token run or found once."""
     rng = random.Random(sum(lengths) + budget)
     shared = [rng.randrange(50) for _ in range(8)]  # a common start, so prefix caching has hits
     prompts = [(shared + [rng.randrange(50) for _ in range(n)])[:n] for n in lengths]
     want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=5)[0, len(p):].tolist() for p in prompts]
     cache = PagedCache.for_model(tiny.config, num_blocks=200 // block_size + 8, block_size=block_size,
                                  prefix_caching=prefix)
-    got, eng = _run_with_arrivals(tiny, cache, prompts, arrive[: len(prompts)], 5, token_budget=budget)
-    assert got == want
+    got, eng = _run_with_arrivals(tiny, cache, prompts, arrive[: len(prompts)], 5, n=n, token_budget=budget)
+    assert got == ([[w] * n for w in want] if n > 1 else want)
     assert cache.allocator.num_used == 0 and not cache.seqs
     cache.check()
-    assert eng.stats.prefill_tokens + eng.stats.cached_tokens >= sum(lengths)
+    if eng.stats.preemptions == 0:  # nothing recomputed
+        assert eng.stats.prefill_tokens + eng.stats.cached_tokens == sum(lengths)
 
 
 def test_chunked_prefill_keeps_the_running_sequences_decoding(tiny):
@@ -238,3 +242,41 @@ def test_token_times_are_recorded_per_emitted_token(tiny):
 def test_a_token_budget_must_be_a_positive_int(tiny, budget):
     with pytest.raises(ValueError, match="token_budget must be a positive int"):
         Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4), token_budget=budget)
+
+
+def test_a_prompt_whose_cache_add_fails_is_put_back(tiny, monkeypatch):
+    """The group left the queue when it was admitted; if the cache refuses it, it must go back."""
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    eng = Engine(tiny, cache, token_budget=8)
+    eng.add([1, 2, 3, 4, 5], 3)
+    real, calls = cache.add, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt("interrupted while adding")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "add", failing)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    assert len(eng.scheduler.waiting) == 1 and not eng.finished
+    ref = kvlib.generate(tiny, torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=3)[0, 5:].tolist()
+    assert eng.run()[0][0] == ref
+
+
+@pytest.mark.parametrize("budget", [-1, 2.5, True])
+def test_a_prefill_budget_must_be_an_int_of_at_least_0(tiny, budget):
+    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4))
+    eng.add([1, 2], 2)
+    with pytest.raises(ValueError, match="budget must be an int >= 0"):
+        eng.prefill(budget)
+    assert len(eng.scheduler.waiting) == 1  # nothing was admitted
+
+
+def test_prompt_ids_must_be_integers(tiny):
+    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4))
+    with pytest.raises(TypeError, match="token ids are integers, got float 1.5"):
+        eng.add([1, 1.5], 2)
+    with pytest.raises(TypeError, match="got str"):
+        eng.add("hi", 2)

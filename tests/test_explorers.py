@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import pytest
 from test_site import KNOWN_THEME_ERRORS, SHOTS, browser, server  # noqa: F401  (fixtures)
 
-from kvlib import web
+from kvlib import cost, web
 from kvlib.config import PRESETS
 from kvlib.explorer import CONTEXTS, GPUS_GIB, MODELS, cache_report, kv_head_choices
 from kvlib.hardware import HARDWARE, step_time
@@ -105,6 +105,9 @@ def test_step_explorer_equals_step_time(browser, server):  # noqa: F811
             assert shown == float(f"{1e3 * t.total:.3g}"), setting  # 3 significant figures, in ms
             assert float(value(box, "step_seconds")) == pytest.approx(t.total, rel=1e-12), setting
             assert value(box, "bound") == ("memory" if t.memory_bound else "compute"), setting
+            assert float(value(box, "tokens_per_s")) == pytest.approx(batch / t.total, rel=1e-12)
+            kv = t.bytes - cost.step_bytes(PRESETS[model], batch, ctx, dtype=dtype)["weights"]
+            assert float(value(box, "kv_share")) == pytest.approx(kv / t.bytes, rel=1e-12), setting
     SHOTS.mkdir(parents=True, exist_ok=True)
     box.screenshot(path=str(SHOTS / "explorer-step.png"))
     clean(external, errors)
@@ -124,6 +127,7 @@ def test_paging_explorer_equals_simulate(browser, server):  # noqa: F811
                                   max_len=max_len, seed=0)
             pool = web.PAGING_POOL
             want = {"waste_max": simulate(trace, "max", memory_slots=pool, max_len=max_len).waste,
+                    "waste_pow2": simulate(trace, "pow2", memory_slots=pool, max_len=max_len).waste,
                     "waste_paged": simulate(trace, "paged", memory_slots=pool, max_len=max_len,
                                             block_size=block).waste}
             mean = sum(r.total for r in trace) / len(trace)
