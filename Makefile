@@ -12,7 +12,7 @@ vendor:
 
 book: setup vendor
 	rm -rf _build/html  # Sphinx does not overwrite a changed static file; the executed notebooks stay cached in _build/.jupyter_cache
-	$(PY) -m kvlib.web js/explorers-data.json  # the explorers' presets and tables, from kvlib itself
+	$(PY) -m kvlib.book.web js/explorers-data.json  # the explorers' presets and tables, from kvlib itself
 	jupyter-book build -W -n --keep-going .
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 

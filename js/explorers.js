@@ -1,7 +1,7 @@
 // The book's explorers, live in the reader's browser: no kernel, no network.
 //
 // A page asks for one with <div class="kv-explorer" data-explorer="cache|step|paging">.
-// Every number starts from explorers-data.json, which `python -m kvlib.web` writes at
+// Every number starts from explorers-data.json, which `python -m kvlib.book.web` writes at
 // build time from kvlib's own presets and tables. This file holds only the few
 // formulas, and each one names the kvlib function it mirrors; the browser test
 // (tests/test_explorers.py) checks them against kvlib on a grid of settings.
@@ -57,7 +57,7 @@
   }
 
   // -- small helpers -------------------------------------------------------------------------------
-  function size(n) {  // as kvlib.explorer._size: binary units
+  function size(n) {  // as kvlib.book.explorer._size: binary units
     const units = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
     for (const [unit, scale] of units) if (n >= scale) return (n / scale).toFixed(2) + " " + unit;
     return n.toFixed(0) + " B";
@@ -132,7 +132,7 @@
   }
 
   // -- the three explorers -------------------------------------------------------------------------
-  function cacheExplorer(box, data) {  // mirrors kvlib.explorer.cache_report
+  function cacheExplorer(box, data) {  // mirrors kvlib.book.explorer.cache_report
     const form = el("form", { class: "kv-controls" });
     const models = Object.entries(data.models).map(([k, m]) => [k, m.name]);
     const model = control(form, "model", models, "llama-2-7b");
@@ -224,7 +224,7 @@
     refresh();
   }
 
-  function pagingExplorer(box, data) {  // reads the table kvlib.web.paging_table simulated
+  function pagingExplorer(box, data) {  // reads the table kvlib.book.web.paging_table simulated
     const p = data.paging;
     const form = el("form", { class: "kv-controls" });
     const block = control(form, "block size", p.blocks.map(b => [b, b]), 16);

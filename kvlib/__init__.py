@@ -16,7 +16,7 @@ Everything else lives in its module, one idea each: `kvlib.blocks`, `kvlib.paged
 `kvlib.engine`, `kvlib.memory`, `kvlib.simulate`, `kvlib.cost`, `kvlib.hardware`, `kvlib.quant`,
 `kvlib.gqa`, `kvlib.mla`, `kvlib.padding`, `kvlib.packed`, `kvlib.evaluate`, `kvlib.data`,
 `kvlib.kernels`, `kvlib.wquant`, `kvlib.radix`, `kvlib.speculative`, `kvlib.chat`, `kvlib.timing`, `kvlib.check`, `kvlib.validate` (all importable
-after ``import kvlib``), and `kvlib.plot`, `kvlib.diagrams`, `kvlib.explorer`, `kvlib.bench`
+after ``import kvlib``), and `kvlib.book.plot`, `kvlib.book.diagrams`, `kvlib.book.explorer`, `kvlib.bench`
 (with `kvlib.bench_fast`), which pull in plotting,
 widgets or Hugging Face and are imported on their own.
 """

@@ -83,17 +83,24 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.reshape(B, H_kv * n_rep, T, D)
 
 
-def softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Numerically stable softmax: subtract the row maximum before ``exp``.
+def softmax_lse(scores: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerically stable softmax over ``dim`` and the log-sum-exp of the scores.
 
-    A row that is entirely ``-inf`` (a query allowed to see nothing) gives
-    zeros instead of NaN.
+    Subtract the row maximum before ``exp``, so no ``exp`` overflows. A row that is
+    entirely ``-inf`` (a query allowed to see nothing) gives zeros instead of NaN, and
+    an lse of ``-inf``. `kvlib.kernels` merges partial attentions with the lse.
     """
     m = scores.amax(dim=dim, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows: keep exp() at 0
     e = torch.exp(scores - m)
-    s = e.sum(dim=dim, keepdim=True)
-    return e / torch.where(s > 0, s, torch.ones_like(s))
+    s = e.sum(dim=dim, keepdim=True)  # 0 for an empty row, >= 1 otherwise
+    p = e / torch.where(s > 0, s, torch.ones_like(s))
+    return p, (m + torch.log(s)).squeeze(dim)  # log(0) = -inf: an empty row's lse
+
+
+def softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Numerically stable softmax (`softmax_lse` without the lse); an all ``-inf`` row gives zeros."""
+    return softmax_lse(scores, dim)[0]
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import OutOfBlocks
+from .paged import OutOfBlocks
 from .model import Transformer
 from .paged import PagedCache
 from .sampling import SamplingParams, sample, sampling_params

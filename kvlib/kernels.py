@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import _check_qkv, causal_mask
+from .attention import _check_qkv, causal_mask, softmax_lse
 
 NEG_INF = float("-inf")
 
@@ -75,13 +75,26 @@ def _prepare(q, k, v, mask, scale):
 
 def _softmax_lse(scores: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked softmax over the last dim and its log-sum-exp. A row with no key: p = 0, lse = -inf."""
-    scores = scores.masked_fill(~mask, NEG_INF)
-    m = scores.amax(dim=-1, keepdim=True)  # row max: subtract it before exp
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty row: keep exp() at 0
-    e = torch.exp(scores - m)
-    s = e.sum(dim=-1, keepdim=True)  # 0 for an empty row, >= 1 otherwise
-    p = e / torch.where(s > 0, s, torch.ones_like(s))
-    return p, (m + torch.log(s)).squeeze(-1)  # log(0) = -inf: an empty row's lse
+    return softmax_lse(scores.masked_fill(~mask, NEG_INF))
+
+
+def online_softmax_step(
+    m: torch.Tensor, l: torch.Tensor, s: torch.Tensor  # noqa: E741
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one block of scores into a running softmax: the heart of FlashAttention.
+
+    ``m`` and ``l`` ``(..., 1)`` are the running max and ``sum exp(score - m)`` of the
+    blocks seen so far; ``s`` ``(..., n)`` is this block's scores (masked ones ``-inf``).
+    Returns ``(m_new, l_new, p, alpha)``: ``p = exp(s - m_new)`` weighs this block's
+    values, and ``alpha = exp(m - m_new)`` rescales what was summed against the old max,
+    so the caller updates its output as ``acc = alpha * acc + p @ v``. A row that has
+    seen no key yet keeps ``m = 0`` internally, so ``exp`` never sees ``-inf - -inf``.
+    """
+    m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+    m_new = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # no key yet: 0
+    alpha = torch.exp(m - m_new)  # rescale the old sum and output to the new max
+    p = torch.exp(s - m_new)  # (..., n): this block's unnormalised weights
+    return m_new, alpha * l + p.sum(dim=-1, keepdim=True), p, alpha
 
 
 # ----------------------------------------------------------------------------- the pieces
@@ -168,13 +181,8 @@ def online_softmax_attention(
         vb = v[:, :, start:start + block_size].to(acc_t)  # (B, H_kv, bs, D)
         s = torch.einsum("bkgtd,bksd->bkgts", qg, kb) * scale  # (B, H_kv, G, Tq, bs)
         s = s.masked_fill(~mask5[..., start:start + block_size], NEG_INF)
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        m_new = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # no key yet: 0
-        alpha = torch.exp(m - m_new)  # rescale the old sum and output to the new max
-        p = torch.exp(s - m_new)  # (B, H_kv, G, Tq, bs): this block's unnormalised weights
-        l = alpha * l + p.sum(dim=-1, keepdim=True)  # noqa: E741
+        m, l, p, alpha = online_softmax_step(m, l, s)  # noqa: E741
         acc = alpha * acc + torch.einsum("bkgts,bksd->bkgtd", p, vb)
-        m = m_new
     out = acc / torch.where(l > 0, l, torch.ones_like(l))  # a query that saw nothing: 0
     return out.reshape(B, H, Tq, D).to(q.dtype)
 

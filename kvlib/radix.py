@@ -1,6 +1,6 @@
 """A radix-tree prefix cache: SGLang's RadixAttention index, at token granularity.
 
-`kvlib.blocks` finds a cached prefix by hashing *full blocks*: a prompt that shares
+`kvlib.paged.blocks` finds a cached prefix by hashing *full blocks*: a prompt that shares
 83 tokens with an earlier one reuses 80 of them when blocks hold 16. A radix tree
 (a trie whose edges hold runs of tokens) finds the longest cached prefix token by
 token. This module is the index only: it maps token ids to opaque *values* (for an
@@ -281,10 +281,10 @@ class PrefixHits(NamedTuple):
 
 def prefix_hits(requests: Iterable[Iterable[int]], block_size: int = 16) -> PrefixHits:
     """Serve ``requests`` in order through a `RadixCache` and through the block hash chain of
-    `kvlib.blocks` (looked up as `kvlib.paged.PagedCache.add` does), caching each whole request
+    `kvlib.paged.blocks` (looked up as `kvlib.paged.PagedCache.add` does), caching each whole request
     afterwards, with room for everything (no eviction). Counts only; no tensors. The hits are
     the index's: `PagedCache.add` would still run a fully cached prompt's last token."""
-    from .blocks import BlockAllocator  # the chapter-9 index
+    from .paged import BlockAllocator  # the chapter-9 index
 
     requests = [RadixCache._check_tokens(r, "request") for r in requests]
     bs = positive_int("block_size", block_size)

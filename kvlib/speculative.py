@@ -145,7 +145,7 @@ class _Target:
     @property
     def length(self) -> int:
         if isinstance(self.cache, PagedCache):
-            return self.cache.seq_len(self.sid)
+            return self.cache.num_tokens(self.sid)
         return self.cache.seq_len
 
     def crop(self, n: int) -> None:

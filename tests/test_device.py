@@ -70,7 +70,7 @@ def test_paged_engine_equals_generate(model, device):
     prompts = [ids(device, T=n, seed=n)[0].tolist() for n in (5, 17, 9)]
     want = [kvlib.generate(model, [p], 8)[0, len(p):].tolist() for p in prompts]
     cache = kvlib.PagedCache.for_model(CFG, num_blocks=24, block_size=4, device=device)
-    assert cache.k[0].device.type == device.type
+    assert cache.keys[0].device.type == device.type
     eng = kvlib.Engine(model, cache)
     for p in prompts:
         eng.add(p, 8)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import kvlib
 from kvlib import SamplingParams
-from kvlib.blocks import OutOfBlocks
+from kvlib.paged import OutOfBlocks
 from kvlib.engine import Engine, EngineStats, Request, Scheduler, SeqState, Sequence
 from kvlib.paged import PagedCache
 

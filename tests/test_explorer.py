@@ -5,7 +5,7 @@ import re
 import pytest
 
 from kvlib import PRESETS, memory
-from kvlib.explorer import CONTEXTS, MODELS, bar_svg, cache_report, explorer, kv_head_choices
+from kvlib.book.explorer import CONTEXTS, MODELS, bar_svg, cache_report, explorer, kv_head_choices
 
 GiB = 2**30
 

@@ -13,9 +13,10 @@ from urllib.parse import urlparse
 import pytest
 from test_site import KNOWN_THEME_ERRORS, SHOTS, browser, server  # noqa: F401  (fixtures)
 
-from kvlib import cost, web
+from kvlib import cost
+from kvlib.book import web
 from kvlib.config import PRESETS
-from kvlib.explorer import CONTEXTS, GPUS_GIB, MODELS, cache_report, kv_head_choices
+from kvlib.book.explorer import CONTEXTS, GPUS_GIB, MODELS, cache_report, kv_head_choices
 from kvlib.hardware import HARDWARE, step_time
 from kvlib.memory import DTYPE_BYTES
 from kvlib.simulate import request_trace, simulate

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib import DynamicCache, ModelConfig, Transformer
 from kvlib.attention import attention_mask, grouped_attention
-from kvlib.blocks import BlockAllocator, OutOfBlocks
+from kvlib.paged import BlockAllocator, OutOfBlocks
 from kvlib.engine import Engine
 from kvlib.paged import PagedCache, gather, paged_attention_loop, slot_mapping
 
@@ -191,7 +191,7 @@ def test_paged_equals_contiguous(block_size, lengths, chunk, seed):
     q = torch.randn(len(lengths), 2 * H, T, D, generator=g)
     n_max = max(-(-n // block_size) for n in lengths)
     tables = torch.tensor([cache.block_table(s) + [0] * (n_max - len(cache.block_table(s))) for s in sids])
-    got = paged_attention(q, cache.k[0], cache.v[0], tables, torch.tensor(lengths))
+    got = paged_attention(q, cache.keys[0], cache.values[0], tables, torch.tensor(lengths))
     for b, kv in enumerate(ref):
         n = lengths[b]
         want = grouped_attention(q[b : b + 1], kv, 2 * kv, attention_mask(T, n))
@@ -289,7 +289,7 @@ def test_truncate_frees_blocks_and_never_touches_a_sharer():
     assert_holds(cache, a)
     assert_holds(cache, b)
     cache.truncate(a, 0)
-    assert cache.block_table(a) == [] and cache.seq_len(a) == 0
+    assert cache.block_table(a) == [] and cache.num_tokens(a) == 0
     with pytest.raises(IndexError, match="cannot truncate sequence"):
         cache.truncate(b, 99)
     cache.check()
@@ -428,7 +428,7 @@ def test_fuzz_alloc_append_fork_free(block_size, prefix):
                 ops["fork"] += 1
             elif r < 0.8:
                 sid = rng.choice(live)
-                cache.truncate(sid, rng.randint(0, cache.seq_len(sid)))
+                cache.truncate(sid, rng.randint(0, cache.num_tokens(sid)))
                 ops["truncate"] += 1
             else:
                 sid = rng.choice(live)
@@ -465,7 +465,7 @@ def test_a_failed_step_changes_nothing():
     table = cache.block_table(a)
     with pytest.raises(OutOfBlocks, match="needs 1 blocks but only 0"):
         cache.step([a], [[4, 5]])
-    assert cache.block_table(a) == table and cache.seq_len(a) == 3
+    assert cache.block_table(a) == table and cache.num_tokens(a) == 3
     append(cache, a, [4])
     assert_holds(cache, a)
     cache.check()
@@ -528,13 +528,13 @@ def test_a_step_commits_only_when_every_layer_is_written_and_commit_is_called():
     batch.update(torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1), 1)  # the last layer first
     with pytest.raises(ValueError, match=r"layers \[0\] were never written"):
         batch.commit()
-    assert cache.seq_len(a) == 0 and cache.block_table(a) == [] and cache.allocator.num_used == 0
+    assert cache.num_tokens(a) == 0 and cache.block_table(a) == [] and cache.allocator.num_used == 0
     batch.update(torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1), 0)
-    assert cache.seq_len(a) == 0 and cache.allocator.num_used == 0  # every layer ran, nothing stored yet
+    assert cache.num_tokens(a) == 0 and cache.allocator.num_used == 0  # every layer ran, nothing stored yet
     with pytest.raises(ValueError, match="never committed"):
         cache.fork(a)  # a finished but uncommitted step is not silently lost
     batch.commit()
-    assert cache.seq_len(a) == 2 and cache.allocator.is_sealed(cache.block_table(a)[0])
+    assert cache.num_tokens(a) == 2 and cache.allocator.is_sealed(cache.block_table(a)[0])
     with pytest.raises(ValueError, match="already committed"):
         batch.commit()
 
@@ -549,7 +549,7 @@ def test_a_forward_that_raises_halfway_leaves_the_cache_as_it_was(tiny):
     b = cache.fork(a)  # shares a partial block: the next write to it must copy
     before = ([cache.block_table(s) for s in (a, b)], cache.allocator.free_order(), cache.copies,
               [cache.layer_kv(a, layer) for layer in range(2)], cache.allocator.hits, cache.version)
-    pools = [t.clone() for t in cache.k + cache.v]
+    pools = [t.clone() for t in cache.keys + cache.values]
     real = tiny.layers[1].forward
     tiny.layers[1].forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("layer 1 failed"))
     try:
@@ -563,7 +563,7 @@ def test_a_forward_that_raises_halfway_leaves_the_cache_as_it_was(tiny):
     assert after[:3] == before[:3] and after[4:] == before[4:]
     for (k0, v0), (k1, v1) in zip(before[3], after[3]):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
-    assert all(torch.equal(p, q) for p, q in zip(pools, cache.k + cache.v))  # not one byte written
+    assert all(torch.equal(p, q) for p, q in zip(pools, cache.keys + cache.values))  # not one byte written
     cache.check()
     with cache.step([a], torch.tensor([[7]])) as batch:  # and the cache works on
         got = tiny(torch.tensor([[7]]), batch)[0, -1]

@@ -1,12 +1,12 @@
 """kvlib.radix against a brute-force reference (a dict of every cached prefix), and against
-kvlib.blocks' hash chain on shared-prefix workloads."""
+kvlib.paged.blocks' hash chain on shared-prefix workloads."""
 
 import contextlib
 import random
 
 import pytest
 
-from kvlib.blocks import BlockAllocator
+from kvlib.paged import BlockAllocator
 from kvlib.radix import CacheFull, Match, RadixCache, prefix_hits
 
 

@@ -1,6 +1,6 @@
 """One figure style for the whole book.
 
-``fig, ax = kvlib.plot.subplots()`` gives axes already styled (light grid, no
+``fig, ax = kvlib.book.plot.subplots()`` gives axes already styled (light grid, no
 top/right spines, the book's colour cycle). The style is applied to the axes
 themselves, not to matplotlib's global rcParams, so importing kvlib changes
 nothing else in your session.

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .validate import positive_int
+from ..validate import positive_int
 
 
 class OutOfBlocks(RuntimeError):

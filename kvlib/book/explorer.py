@@ -5,7 +5,7 @@ says whether weights plus cache fit in a GPU. ``bar_svg`` draws the two as
 bars against that GPU's memory, as plain SVG, so the picture survives on a
 static web page. ``explorer()`` wires both to ipywidgets::
 
-    from kvlib.explorer import explorer
+    from kvlib.book.explorer import explorer
     explorer()            # in Jupyter or Colab: drag the sliders
 
 Only the arithmetic lives here; nothing is allocated.
@@ -16,9 +16,9 @@ from __future__ import annotations
 from html import escape
 from typing import TYPE_CHECKING
 
-from .config import PRESETS, ModelConfig
-from .memory import DTYPE_BYTES, GiB, dtype_bytes, kv_cache_bytes, weight_bytes
-from .validate import positive_int
+from ..config import PRESETS, ModelConfig
+from ..memory import DTYPE_BYTES, GiB, dtype_bytes, kv_cache_bytes, weight_bytes
+from ..validate import positive_int
 
 if TYPE_CHECKING:
     import ipywidgets

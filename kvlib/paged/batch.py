@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import Cache, CacheSpec
+from ..cache import Cache, CacheSpec
 
 if TYPE_CHECKING:
-    from .paged import PagedCache
+    from .cache import PagedCache
 
 
 def slot_mapping(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -45,50 +45,6 @@ def gather(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch
     return blocks.view(B, n * bs, H, D)[:, :length].transpose(1, 2)  # (B, H, length, D)
 
 
-def paged_attention_loop(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_table: Sequence[int],
-    length: int,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """One decode token's attention, read block by block where the blocks lie: the loop of
-    vLLM's PagedAttention kernel, in readable torch. Equals attention over `gather`'s copy.
-
-    ``q`` ``(H, D)``: the new token's query heads; pools ``(num_blocks, block_size, H_kv, D)``;
-    ``block_table``: the sequence's blocks; ``length``: its keys (the new token's included).
-    Each block's scores update a running max ``m``, softmax denominator ``l`` and weighted
-    sum ``acc`` (online softmax), so no copy of the whole sequence is ever made.
-    """
-    if q.dim() != 2 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape or q.shape[1] != k_pool.shape[3]:
-        raise ValueError(f"need q (H, D) and two equal pools (num_blocks, block_size, H_kv, D), "
-                         f"got {tuple(q.shape)}, {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
-    H, D = q.shape
-    _, bs, H_kv, _ = k_pool.shape
-    if H % H_kv:
-        raise ValueError(f"{H} query heads cannot share {H_kv} KV heads evenly")
-    if not isinstance(length, int) or not 0 < length <= len(block_table) * bs:
-        raise ValueError(f"length {length!r} does not fit a table of {len(block_table)} blocks of {bs}")
-    G = H // H_kv  # query heads per KV head
-    qg = q.float().view(H_kv, G, D) * (D**-0.5 if scale is None else scale)  # (H_kv, G, D)
-    m = torch.full((H_kv, G), float("-inf"), device=q.device)  # running max of the scores
-    l = torch.zeros(H_kv, G, device=q.device)  # running sum of exp(score - m)
-    acc = torch.zeros(H_kv, G, D, device=q.device)  # running sum of exp(score - m) * v
-    for i in range(-(-length // bs)):
-        n = min(bs, length - i * bs)  # tokens held in this block (the last may be partial)
-        k = k_pool[block_table[i], :n].float()  # (n, H_kv, D): read in place, one block
-        v = v_pool[block_table[i], :n].float()
-        s = torch.einsum("hgd,nhd->hgn", qg, k)  # (H_kv, G, n) scores against this block
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        rescale = torch.exp(m - m_new)  # what the old sums were measured against, corrected
-        p = torch.exp(s - m_new[..., None])  # (H_kv, G, n)
-        l = l * rescale + p.sum(dim=-1)
-        acc = acc * rescale[..., None] + torch.einsum("hgn,nhd->hgd", p, v)
-        m = m_new
-    return (acc / l[..., None]).reshape(H, D).to(q.dtype)
-
-
 class PagedBatch(Cache):
     """One forward pass's view of a `PagedCache`: the sequences ``sids`` and their new tokens.
 
@@ -104,7 +60,7 @@ class PagedBatch(Cache):
         super().__init__(cache.n_layer)
         self.cache, self.sids, self.new_tokens, self.start = cache, sids, tokens, lengths
         B, T = len(sids), len(tokens[0])
-        device = cache.k[0].device
+        device = cache.device
         self.T = T
         self.lengths = torch.tensor(lengths, device=device)  # (B,): tokens held before this step
         self.S = max(lengths) + T  # keys per row after this step (the longest sequence)
@@ -114,7 +70,7 @@ class PagedBatch(Cache):
         # Blocks this step has not reserved yet, and rows shorter than the longest, read block 0:
         # those slots are overwritten with the new tokens below, or masked out.
         self.block_tables = torch.tensor([t + [0] * (n_blocks - len(t)) for t in tables], device=device)  # (B, n)
-        self.spec = CacheSpec(B, cache.n_kv_head, cache.head_dim, cache.k[0].dtype, device)
+        self.spec = CacheSpec(B, cache.n_kv_head, cache.head_dim, cache.dtype, device)
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.n_layer
         self.committed = False
         self._version = cache.version  # any later change to the tables makes this batch stale
@@ -142,7 +98,7 @@ class PagedBatch(Cache):
         rows = torch.arange(len(self.sids), device=k.device)[:, None]  # (B, 1)
         cols = self.positions()  # (B, T): where each new token sits in its row
         out = []
-        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+        for pool, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
             kv = gather(pool, self.block_tables, self.S)  # (B, H, S, D), a fresh copy
             kv[rows, :, cols] = new.transpose(1, 2)  # (B, T, H, D) into the copy, after each row's keys
             out.append(kv)
@@ -174,13 +130,9 @@ class PagedBatch(Cache):
         return all(s is not None for s in self.staged)
 
     def commit(self) -> None:
-        """Store this step in the cache: every layer must have been written."""
-        self._check_fresh()
-        if not self.complete:
-            missing = [i for i, s in enumerate(self.staged) if s is None]
-            raise ValueError(f"cannot commit a step whose layers {missing} were never written")
-        self.cache.commit_step(self)
-        self.committed = True
+        """Store this step in the cache. Raises, changing nothing, unless every layer was
+        written and this is the cache's open step, not committed yet and not stale."""
+        self.cache._commit(self)
 
     def __enter__(self) -> "PagedBatch":
         return self
@@ -190,10 +142,10 @@ class PagedBatch(Cache):
             try:
                 self.commit()
             except BaseException:
-                self.cache.drop_step(self)  # a commit that failed (stale, say) must not block the cache
+                self.cache._drop(self)  # a commit that failed (stale, say) must not block the cache
                 raise
         else:
-            self.cache.drop_step(self)  # the forward failed: nothing was written, nothing to undo
+            self.cache._drop(self)  # the forward failed: nothing was written, nothing to undo
         return False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

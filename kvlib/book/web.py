@@ -7,7 +7,7 @@ it mirrors; every number they start from comes from here, so kvlib stays the one
 source of truth. ``make book`` writes the file before Jupyter Book copies ``js/``
 into the site::
 
-    python -m kvlib.web js/explorers-data.json
+    python -m kvlib.book.web js/explorers-data.json
 
 The paging explorer shows waste that only a simulation can measure, so this
 module runs `kvlib.simulate` over a small grid at build time and ships the table.
@@ -19,11 +19,11 @@ import json
 import sys
 from pathlib import Path
 
-from .config import PRESETS
+from ..config import PRESETS
 from .explorer import CONTEXTS, GPUS_GIB, MODELS, kv_head_choices
-from .hardware import HARDWARE
-from .memory import DTYPE_BYTES, GiB
-from .simulate import request_trace, simulate
+from ..hardware import HARDWARE
+from ..memory import DTYPE_BYTES, GiB
+from ..simulate import request_trace, simulate
 
 # The paging explorer's grid: block sizes, context limits, and the median request length
 PAGING_BLOCKS = [1, 4, 8, 16, 32, 64, 128]
@@ -86,5 +86,5 @@ def write(path: str | Path, **kwargs) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m kvlib.web OUT.json")
+        raise SystemExit("usage: python -m kvlib.book.web OUT.json")
     print(f"wrote {write(sys.argv[1])}")

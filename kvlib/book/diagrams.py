@@ -3,11 +3,11 @@
 Each function returns a ``matplotlib.figure.Figure`` and draws only boxes, grids, arrows and
 labels, so a learner can change the sizes and see the picture follow::
 
-    fig = kvlib.diagrams.attention_rows(prompt_len=8)   # the prefill triangle, one decode row
-    fig = kvlib.diagrams.attention_wiring()             # one attention layer during decode
-    fig = kvlib.diagrams.cache_layout(layers=2)         # per-layer (B, H_kv, S, D) tensors
-    fig = kvlib.diagrams.block_table()                  # paged memory: table -> pool
-    fig = kvlib.diagrams.paged_loop()                   # a paged kernel's per-block loop
+    fig = kvlib.book.diagrams.attention_rows(prompt_len=8)   # the prefill triangle, one decode row
+    fig = kvlib.book.diagrams.attention_wiring()             # one attention layer during decode
+    fig = kvlib.book.diagrams.cache_layout(layers=2)         # per-layer (B, H_kv, S, D) tensors
+    fig = kvlib.book.diagrams.block_table()                  # paged memory: table -> pool
+    fig = kvlib.book.diagrams.paged_loop()                   # a paged kernel's per-block loop
 
 The cells are drawn as ``Rectangle`` patches with a ``gid`` naming what they stand for
 (``"computed"``, ``"cached"``, ``"new"``, ``"free"`` ...), which is what the tests count.
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
 from .plot import COLORS
-from .validate import positive_int
+from ..validate import positive_int
 
 _LIGHT = "#E8E8E8"
 _PARTS = {  # what a cell stands for -> its colour

@@ -1,18 +1,20 @@
-"""A paged KV cache: per-layer block pools, block tables, slots, copy-on-write and prefix sharing.
+"""The paged KV cache: per-layer block pools, block tables, copy-on-write and prefix sharing.
 
 * A sequence's *block table* maps its logical block ``i`` (tokens
   ``i*block_size`` to ``(i+1)*block_size - 1``) to a physical block of the pool
-  (`kvlib.blocks.BlockAllocator` hands them out). Token ``t`` lives in *slot*
+  (`kvlib.paged.BlockAllocator` hands them out). Token ``t`` lives in *slot*
   ``table[t // block_size] * block_size + t % block_size`` (`slot_mapping`).
-* `PagedCache` holds one key pool and one value pool per layer, ``k[layer]`` and
-  ``v[layer]``, each ``(num_blocks, block_size, kv_heads, head_dim)``, and the tables.
+* `PagedCache` holds one key pool and one value pool per layer, ``keys[layer]`` and
+  ``values[layer]``, each ``(num_blocks, block_size, kv_heads, head_dim)``, and the tables.
 * ``with cache.step(sids, tokens) as batch: logits = model(tokens, batch)`` runs one
   forward over several sequences of different lengths. The `PagedBatch` is an
-  ordinary `kvlib.Cache` (in `kvlib.paged_batch`): it gathers each sequence's keys
+  ordinary `kvlib.Cache` (in `kvlib.paged.batch`): it gathers each sequence's keys
   through its table and supplies every sequence's own positions and causal mask. The step is
   *committed* (blocks reserved, the new K/V written into their slots, full blocks
   sealed) when the ``with`` block ends without an error, or by ``batch.commit()``;
-  a forward that raises halfway leaves the cache exactly as it was.
+  a forward that raises halfway leaves the cache exactly as it was. Committing is the
+  only way a step changes the pool, and only the batch can ask for it: the cache refuses,
+  before changing anything, a batch that is stale, incomplete or already committed.
 
 Nothing here is global: block tables, slots and positions are passed explicitly.
 """
@@ -24,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import ModelConfig
+from ..validate import positive_int
+from .batch import PagedBatch, gather, slot_mapping
 from .blocks import BlockAllocator, OutOfBlocks, chain_hash
-from .config import ModelConfig
-from .paged_batch import PagedBatch, gather, paged_attention_loop, slot_mapping
-from .validate import positive_int
 
-__all__ = ["OutOfBlocks", "PagedBatch", "PagedCache", "gather", "paged_attention_loop", "slot_mapping"]
+__all__ = ["PagedCache"]
 
 
 def _token_rows(tokens: torch.Tensor | Sequence[Sequence[int]], batch: int) -> list[list[int]]:
@@ -87,8 +89,8 @@ class PagedCache:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         shape = (num_blocks, block_size, n_kv_head, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self.copies = 0  # copy-on-write block copies so far
@@ -106,9 +108,17 @@ class PagedCache:
         return self.allocator.num_blocks
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, keys and values."""
-        return 2 * self.n_layer * self.k[0][0].nbytes
+        return 2 * self.n_layer * self.keys[0][0].nbytes
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +134,8 @@ class PagedCache:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def seq_len(self, sid: int) -> int:
+    def num_tokens(self, sid: int) -> int:
+        """Tokens whose keys and values sequence ``sid`` holds (`Cache.seq_len` for one sequence)."""
         return len(self._seq(sid).tokens)
 
     def block_table(self, sid: int) -> list[int]:
@@ -228,7 +239,7 @@ class PagedCache:
         i = len(seq.tokens) // self.block_size
         old = seq.blocks[i]
         new = self.allocator.allocate()
-        for pool in self.k + self.v:
+        for pool in self.keys + self.values:
             pool[new].copy_(pool[old])  # the whole block: its first tokens are this sequence's too
         self.allocator.free(old)
         seq.blocks[i] = new
@@ -272,22 +283,36 @@ class PagedCache:
                 "or call batch.commit() after the forward"
             )
 
-    def commit_step(self, batch: PagedBatch) -> None:
-        """Store a finished step (`PagedBatch.commit` calls this): reserve its slots (copy-on-write,
-        new blocks), write its K/V into them, extend the token lists and seal full blocks."""
-        seqs = [self.seqs[s] for s in batch.sids]
+    def _commit(self, batch: PagedBatch) -> None:
+        """Store a finished step (only `PagedBatch.commit` calls this): reserve its slots
+        (copy-on-write, new blocks), write its K/V into them, extend the token lists and seal
+        full blocks. Every check runs before the first change, so a refused commit (twice,
+        incomplete, stale, or a batch of another cache) leaves the cache byte for byte as it was."""
+        if batch.cache is not self or self._open is not batch:
+            raise ValueError("this PagedBatch is not the open step of this cache; call PagedCache.step again")
+        if batch.committed:
+            raise ValueError("this PagedBatch was already committed; call PagedCache.step for the next step")
+        if self.version != batch._version:
+            raise ValueError(
+                "this PagedBatch is stale: the cache's block tables changed after it was made "
+                "(a step, fork, truncate or free); call PagedCache.step again"
+            )
+        missing = [i for i, s in enumerate(batch.staged) if s is None]
+        if missing:
+            raise ValueError(f"cannot commit a step whose layers {missing} were never written")
         if self.blocks_needed(batch.sids, batch.T) > self.allocator.num_free:
             raise OutOfBlocks("the pool no longer has room for this step")  # unreachable unless stale
+        seqs = [self.seqs[s] for s in batch.sids]
         for seq in seqs:
             self._reserve(seq, batch.T)
         bs, T = self.block_size, batch.T
         slots = torch.tensor(
-            [slot_mapping(seq.blocks, n, n + T, bs) for seq, n in zip(seqs, batch.start)], device=self.k[0].device
+            [slot_mapping(seq.blocks, n, n + T, bs) for seq, n in zip(seqs, batch.start)], device=self.device
         ).view(-1)  # (B * T,): where each new token goes
         for layer, (k, v) in enumerate(batch.staged):
             B, H, _, D = k.shape
-            self.k[layer].view(-1, H, D)[slots] = k.transpose(1, 2).reshape(B * T, H, D)  # (slots, H, D)
-            self.v[layer].view(-1, H, D)[slots] = v.transpose(1, 2).reshape(B * T, H, D)
+            self.keys[layer].view(-1, H, D)[slots] = k.transpose(1, 2).reshape(B * T, H, D)  # (slots, H, D)
+            self.values[layer].view(-1, H, D)[slots] = v.transpose(1, 2).reshape(B * T, H, D)
         for seq, new in zip(seqs, batch.new_tokens):
             before = len(seq.tokens)
             seq.tokens.extend(new)
@@ -295,8 +320,9 @@ class PagedCache:
                 self.allocator.seal_full(seq.blocks, seq.tokens, since=before)
         self.version += 1
         self._open = None
+        batch.committed = True
 
-    def drop_step(self, batch: PagedBatch) -> None:
+    def _drop(self, batch: PagedBatch) -> None:
         """Forget a step whose forward failed: nothing was written, so there is nothing to undo."""
         if self._open is batch:
             self._open = None
@@ -309,9 +335,9 @@ class PagedCache:
             raise IndexError(f"layer {layer} is out of range for {self.n_layer} layers")
         if not seq.tokens:
             raise ValueError(f"sequence {sid} is empty")
-        table = torch.tensor([seq.blocks], device=self.k[0].device)  # (1, n)
+        table = torch.tensor([seq.blocks], device=self.device)  # (1, n)
         n = len(seq.tokens)
-        return gather(self.k[layer], table, n), gather(self.v[layer], table, n)
+        return gather(self.keys[layer], table, n), gather(self.values[layer], table, n)
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless every reference count equals the number of tables holding the block."""
