@@ -12,30 +12,52 @@ The top level holds what a chapter or an exercise reaches for first:
 * generation: `SamplingParams`, `sample`, `prefill`, `decode_step`, `generate`,
   `generate_naive`, `stream`.
 
-Everything else lives in its module, one idea each: `kvlib.blocks`, `kvlib.paged`, `kvlib.evict`,
-`kvlib.engine`, `kvlib.memory`, `kvlib.simulate`, `kvlib.cost`, `kvlib.hardware`, `kvlib.quant`,
-`kvlib.gqa`, `kvlib.mla`, `kvlib.padding`, `kvlib.packed`, `kvlib.evaluate`, `kvlib.data`,
-`kvlib.kernels`, `kvlib.wquant`, `kvlib.radix`, `kvlib.speculative`, `kvlib.chat`, `kvlib.timing`, `kvlib.check`, `kvlib.validate` (all importable
-after ``import kvlib``), and `kvlib.book.plot`, `kvlib.book.diagrams`, `kvlib.book.explorer`, `kvlib.bench`
-(with `kvlib.bench_fast`), which pull in plotting,
-widgets or Hugging Face and are imported on their own.
+Everything else lives in its module, one idea each (`kvlib.paged` and `kvlib.bench` are
+packages of such modules), and is imported the first time it is used (PEP 562): after
+``import kvlib``, ``kvlib.memory`` or ``kvlib.paged`` loads on first access. So the first
+import stays light: the model, the caches, attention and generation, and nothing of the
+simulator, the roofline profiler, Hugging Face or matplotlib. `kvlib.book` (figures,
+diagrams, the widget panel, the website's data) serves the chapters, not the cache.
 """
 
-from . import (  # noqa: F401  (the modules, so that kvlib.memory etc. work after `import kvlib`)
-    blocks, chat, check, cost, data, engine, evaluate, evict, gqa, hardware, kernels, memory, mla, packed, padding, paged, quant,
-    radix, sampling, simulate, speculative, timing, validate, wquant,
-)
+from __future__ import annotations
+
+import importlib
+
 from .attention import attention, attention_mask, causal_mask, grouped_attention, repeat_kv, softmax
 from .cache import Cache, CacheSpec, DynamicCache, StaticCache
 from .config import PRESETS, ModelConfig
-from .engine import Engine
 from .generate import decode_step, generate, generate_naive, prefill, stream
-from .hf import from_hf
 from .model import Transformer
 from .padding import PaddedBatch
-from .paged import PagedCache
-from .pretrained import Tokenizer, load_smollm2
 from .sampling import SamplingParams, sample
+
+# Loaded on first use: a top-level name -> the module that defines it.
+_LAZY_NAMES = {
+    "Engine": "engine", "PagedCache": "paged", "from_hf": "hf", "Tokenizer": "pretrained", "load_smollm2": "pretrained",
+}
+# The submodules a chapter reaches as kvlib.<name> (the core ones above are loaded already).
+_SUBMODULES = (
+    "bench", "book", "chat", "check", "cost", "data", "engine", "evaluate", "evict", "gqa", "hardware", "hf",
+    "kernels", "memory", "mla", "packed", "paged", "pretrained", "quant", "radix", "simulate", "speculative",
+    "timing", "validate", "wquant",
+)
+
+
+def __getattr__(name: str):
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'kvlib' has no attribute {name!r}")
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_NAMES) | set(_SUBMODULES))
+
 
 __all__ = [
     # the model
@@ -47,4 +69,4 @@ __all__ = [
     # generation
     "SamplingParams", "decode_step", "generate", "generate_naive", "prefill", "sample", "stream",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -80,7 +80,7 @@ def test_the_stored_bench_record_is_a_full_run():
 
 def test_bare_matvecs_refuses_what_it_cannot_time():
     from kvlib import ModelConfig, Transformer
-    from kvlib.bench_fast import bare_matvecs
+    from kvlib.bench import bare_matvecs
     from kvlib.wquant import quantize_weights
 
     cfg = ModelConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=64, max_seq_len=32)

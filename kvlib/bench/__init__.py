@@ -1,0 +1,57 @@
+"""The book's performance claims, measured on this machine: ``python -m kvlib.bench``.
+
+    python -m kvlib.bench [--json PATH] [--quick] [--threads N] [--compile]
+
+One run loads SmolLM2-135M and measures nine things, each section in the module of its
+idea:
+
+======  ==========================================================  =====================
+(a)     cached vs naive greedy generation                            `kvlib.bench.generation`
+(b)     per-token decode latency as the context grows                `kvlib.bench.generation`
+(c)     kvlib vs Hugging Face ``generate``, fp32, same weights       `kvlib.bench.huggingface`
+(d)     roofline: decode's bandwidth against a plain matvec's        `kvlib.bench.roofline`
+(e)     decode against bare matvecs over the model's own matrices    `kvlib.bench.roofline`
+(f)     precision ladder: fp32, bf16, int8, int4 weights             `kvlib.bench.precision`
+(g)     kvlib vs Hugging Face ``generate``, bf16                     `kvlib.bench.huggingface`
+(h)     split-KV (FlashDecoding) vs PyTorch's fused attention        `kvlib.bench.split_kv`
+(i)     ``torch.compile`` on the decode step (``--compile`` only)    `kvlib.bench.compiled`
+======  ==========================================================  =====================
+
+`kvlib.bench.plan` holds the sizes (`FULL`, the book's run; `QUICK`, a smoke test) and the
+prompt; `kvlib.bench.report` the table, the targets and the JSON; `kvlib.bench.cli` the
+command line that runs the sections in order. The timing helpers are `kvlib.timing`'s.
+
+CPUs are noisy, so read ratios, not absolute numbers: wherever two things are compared
+they are timed taking turns, so that load from other processes hits both alike. The
+stored run the chapters quote is `kvlib.data.bench_record`. ``import kvlib.bench``
+imports torch but not transformers (only (c) and (g) load it).
+"""
+
+from .cli import main
+from .compiled import compiled_step
+from .generation import bench_decode, bench_generation
+from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2, race_hf
+from .plan import FULL, PROMPT_TEXT, QUICK, Plan, prompt_ids
+from .precision import precision_ladder, scored
+from .report import header, json_ready, load_average, machine_info, print_report, table_rows, targets
+from .roofline import MATVEC_BIG, MATVEC_COUNT, MATVEC_SMALL, bare_matvecs, bench_roofline, same_bytes
+from .split_kv import split_vs_sdpa
+
+__all__ = [
+    # sizes and inputs
+    "Plan", "FULL", "QUICK", "PROMPT_TEXT", "prompt_ids",
+    # (a), (b)
+    "bench_generation", "bench_decode",
+    # (c), (g)
+    "load_hf_smollm2", "race_hf", "hf_vs_kvlib", "hf_bf16",
+    # (d), (e)
+    "MATVEC_BIG", "MATVEC_SMALL", "MATVEC_COUNT", "bench_roofline", "bare_matvecs", "same_bytes",
+    # (f)
+    "scored", "precision_ladder",
+    # (h)
+    "split_vs_sdpa",
+    # (i)
+    "compiled_step",
+    # the report and the command line
+    "load_average", "machine_info", "header", "table_rows", "targets", "print_report", "json_ready", "main",
+]

@@ -1,0 +1,90 @@
+"""Measure the book's performance claims on this machine, all in one run.
+
+    python -m kvlib.bench [--json PATH] [--quick] [--threads N] [--compile]
+
+`main` is the driver: it loads SmolLM2 once, runs the sections in order (each in its
+module, named in `kvlib.bench`), prints the report (`kvlib.bench.report`) and optionally
+writes it as JSON. Hugging Face's model is loaded for (c) and (g) only, and dropped
+before the rest. The exit status is 1 if any token sequences that must agree did not
+(cached vs naive, kvlib vs HF in fp32), else 0: a slow run is not a failure, a wrong one is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ..data import tiny_shakespeare
+from ..pretrained import load_smollm2
+from ..validate import positive_int
+from .compiled import compiled_step
+from .generation import bench_decode, bench_generation
+from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2
+from .plan import FULL, QUICK, prompt_ids
+from .precision import precision_ladder
+from .report import json_ready, load_average, machine_info, print_report, targets
+from .roofline import bench_roofline, same_bytes
+from .split_kv import split_vs_sdpa
+
+
+def _threads(s: str) -> int:
+    """``--threads``: a positive int, or argparse's usage error naming it."""
+    try:
+        return positive_int("--threads", int(s))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every section at `FULL` sizes (`QUICK` with ``--quick``) and report; 0 if all tokens agreed."""
+    p = argparse.ArgumentParser(prog="python -m kvlib.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    p.add_argument("--threads", type=_threads, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile on the decode step (slow)")
+    args = p.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    torch.set_num_threads(args.threads)
+    print(f"torch.set_num_threads({args.threads}); mode {'quick' if args.quick else 'full'}", flush=True)
+
+    r = {"machine": machine_info(torch.get_num_threads())}
+    with torch.inference_mode():
+        model, tok = load_smollm2()
+        ids = prompt_ids(tok, plan.prompt_len)  # (1, prompt_len)
+        print("(a) cached vs naive generation ...", flush=True)
+        r["generation"] = bench_generation(model, ids, plan)
+        print("(b) decode latency vs context ...", flush=True)
+        r["decode"] = bench_decode(model, ids, plan)
+        print("(c) kvlib vs Hugging Face generate, fp32 and bf16 ...", flush=True)
+        hf = load_hf_smollm2()
+        r["hf"] = hf_vs_kvlib(model, hf, ids, plan.hf_tokens)
+        r["hf_bf16"] = hf_bf16(hf, ids, plan.hf_tokens)  # (g): converts hf to bf16, so after the fp32 run
+        del hf
+        print("(d) matvec bandwidth and roofline ...", flush=True)
+        r["roofline"] = bench_roofline(model, r["decode"], plan)
+        print("(e) decode against matvecs over the same matrices ...", flush=True)
+        r["same_bytes"] = same_bytes(model, ids, plan.contexts[0], plan.decode_steps)
+        print("(f) precision ladder: fp32, bf16, int8, int4 weights ...", flush=True)
+        text = torch.tensor([tok.encode(tiny_shakespeare("val"))[: plan.text_tokens]])  # (1, text_tokens)
+        r["precision"] = precision_ladder(ids, text, plan.contexts[0], plan.decode_steps)
+        print("(h) split-KV against fused attention ...", flush=True)
+        r["split_kv"] = split_vs_sdpa(model, plan.split_context, plan.splits, plan.matvec_repeats)
+        if args.compile:
+            print("(i) torch.compile on the decode step ...", flush=True)
+            r["compile"] = compiled_step(model, ids, plan.contexts[0], plan.decode_steps)
+        print(flush=True)
+    r["machine"]["loadavg_end"] = load_average()
+    r["targets"] = targets(r, plan)
+    print_report(r, plan)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(json_ready(r), f, indent=1)
+        print(f"\nwrote {args.json}")
+    bad = [f"cached vs naive at {n} new tokens" for n, g in r["generation"].items() if not g["identical"]]
+    bad += [] if r["hf"]["identical"] else [f"kvlib vs HF at {plan.hf_tokens} new tokens"]
+    for what in bad:
+        print(f"!!! TOKENS DIFFER: {what} !!!", file=sys.stderr)
+    return 1 if bad else 0

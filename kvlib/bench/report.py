@@ -1,0 +1,171 @@
+"""The report: what the run was measured on, one table row per measurement, the book's targets.
+
+`main` collects every section's results into one dict ``r`` (keys ``generation``,
+``decode``, ``hf``, ``hf_bf16``, ``roofline``, ``same_bytes``, ``precision``, ``split_kv``
+and, with ``--compile``, ``compile``). This module only reads it:
+
+* `machine_info` and `header`: versions, threads and the load average before and after,
+  because a CPU shared with other processes gives noisy numbers;
+* `table_rows`: section, case, measured, compared with, ratio, note, one row each;
+* `targets`: each claim the book makes, its measured value and PASS / MISS / n/a;
+* `json_ready`: ``r`` in plain JSON types, for ``--json`` (the stored record
+  `kvlib.data.bench_record` is such a file).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+
+import torch
+
+from .plan import Plan
+from .roofline import MATVEC_BIG, MATVEC_COUNT, MATVEC_SMALL
+
+
+# -- the machine --------------------------------------------------------------------------
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_info(threads: int) -> dict:
+    """What the numbers were measured on."""
+    return {"torch": torch.__version__, "threads": threads, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor(), "loadavg_start": load_average(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def header(m: dict) -> str:
+    """Two lines on the machine (`machine_info`, plus ``loadavg_end``): versions, threads, load."""
+    load = [("n/a" if m.get(k) is None else f"{m[k]:.2f}") for k in ("loadavg_start", "loadavg_end")]
+    return (f"kvlib bench | torch {m['torch']} | {m['threads']} threads of {m['cpu_count']} CPUs | "
+            f"{m['platform']} | {m['date']}\n"
+            f"1-min load average: {load[0]} at start, {load[1]} at end "
+            "(well above the thread count means other processes competed: expect noise)")
+
+
+# -- the table ------------------------------------------------------------------------------
+def _same(ok: bool) -> str:
+    return "tokens same" if ok else "TOKENS DIFFER"
+
+
+def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
+    """One row per measurement: section, case, measured, compared with, ratio, note.
+
+    The first row is the column names. ``r["compile"]`` is optional (``--compile``).
+    """
+    rows = [("section", "case", "measured", "compared", "ratio", "note")]
+    for n, g in r["generation"].items():  # (a)
+        rows.append(("generate", f"prompt {plan.prompt_len} + {n}", f"cached {g['cached_s']:.2f} s",
+                     f"naive {g['naive_s']:.2f} s", f"{g['speedup']:.1f}x",
+                     f"{_same(g['identical'])}; FLOPs {g['flops_ratio']:.0f}x; "
+                     f"naive {g['naive_gflops']:.0f} GFLOP/s, cached {g['cached_gflops']:.1f}"))
+    for c, d in r["decode"].items():  # (b)
+        rows.append(("decode", f"context {c}", f"{d['ms']:.1f} ms/token", f"vs context {plan.contexts[0]}",
+                     f"{d['ratio']:.2f}x", ""))
+    h = r["hf"]  # (c)
+    rows.append(("vs HF", f"prompt {plan.prompt_len} + {h['new_tokens']}", f"kvlib {h['kvlib_tok_s']:.1f} tok/s",
+                 f"HF {h['hf_tok_s']:.1f} tok/s", f"{h['ratio']:.2f}x", _same(h["identical"])))
+    sb = r["same_bytes"]  # (e)
+    rows.append(("same bytes", f"decode, context {plan.contexts[0]}", f"{sb['decode_ms']:.1f} ms",
+                 f"matvecs {sb['matvec_ms']:.1f} ms", f"{100 * sb['matvec_ms'] / sb['decode_ms']:.0f}%",
+                 "x @ W over the model's own matrices vs the step, fastest of each, taking turns"))
+    prec = r["precision"]  # (f)
+    for name, p in prec.items():
+        rows.append(("precision", f"{name} weights, context {plan.contexts[0]}", f"{p['ms']:.1f} ms/token",
+                     f"fp32 {prec['fp32']['ms']:.1f} ms", f"{p['speedup']:.2f}x",
+                     f"{p['weight_bytes'] / 1e6:.0f} MB; ppl {p['perplexity']:.2f} ({100 * (p['ppl_ratio'] - 1):+.1f}%); "
+                     f"agreement {p['agreement']:.3f}"))
+    h = r["hf_bf16"]  # (g)
+    rows.append(("vs HF", f"bf16, prompt {plan.prompt_len} + {h['new_tokens']}", f"kvlib {h['kvlib_tok_s']:.1f} tok/s",
+                 f"HF {h['hf_tok_s']:.1f} tok/s", f"{h['ratio']:.2f}x",
+                 f"first {h['identical_prefix']} of {h['new_tokens']} new tokens identical"))
+    sk = r["split_kv"]  # (h)
+    for name, ms in sk.items():
+        if name != "sdpa":
+            rows.append(("split-KV", f"context {plan.split_context}, {name}", f"{ms:.2f} ms",
+                         f"sdpa {sk['sdpa']:.2f} ms", f"{sk['sdpa'] / ms:.2f}x", "one layer's decode attention"))
+    if "compile" in r:  # (i)
+        c = r["compile"]
+        rows.append(("compile", f"decode, context {plan.contexts[0]}", f"compiled {c['compiled_ms']:.1f} ms",
+                     f"eager {c['eager_ms']:.1f} ms", f"{c['speedup']:.2f}x", f"compiling took {c['compile_s']:.0f} s"))
+    f = r["roofline"]  # (d), last: it reads the decode steps of (b) against the matvec ceilings
+    big, small = f"{MATVEC_BIG}x{MATVEC_BIG}", f"{MATVEC_SMALL[0]}x{MATVEC_SMALL[1]}"
+    for name, label in (("big", big), ("small", f"{MATVEC_COUNT} x {small}")):
+        a, b = f[f"{name}_in_out_gbs"], f[f"{name}_out_in_gbs"]
+        rows.append(("matvec", label, f"(in,out) {a:.1f} GB/s", f"(out,in) {b:.1f} GB/s", f"{a / b:.2f}x",
+                     "x @ W vs F.linear"))
+    for key, d in f.items():
+        if key.startswith("decode_ctx"):
+            rows.append(("roofline", f"decode, context {key[10:]}", f"{d['gbs']:.1f} GB/s",
+                         f"{d['bytes'] / 1e6:.0f} MB/token", f"{100 * d['fraction']:.0f}%",
+                         f"of {big} (in,out) matvec; {100 * d['fraction_small']:.0f}% of {small}"))
+    return rows
+
+
+# -- the targets ----------------------------------------------------------------------------
+def targets(r: dict, plan: Plan) -> list[dict]:
+    """The book's claims, each with its measured value (None if this plan does not measure it).
+
+    ``pass`` is True or False, or None when not measured; a claim with an extra condition
+    (kvlib vs HF in fp32 must also give identical tokens) passes only if that holds too.
+    """
+    g, d, f, h = r["generation"], r["decode"], r["roofline"], r["hf"]
+    sb, p, hb = r["same_bytes"], r["precision"], r["hf_bf16"]
+    lo, hi = plan.contexts[0], plan.contexts[-1]
+    rows = [  # (claim, measured, op, threshold, also required)
+        ("cached/naive speedup at 128 new tokens", g["128"]["speedup"] if "128" in g else None, ">=", 5.0, True),
+        ("cached/naive speedup at 256 new tokens", g["256"]["speedup"] if "256" in g else None, ">=", 10.0, True),
+        (f"decode latency(ctx {hi}) / latency(ctx {lo})", d[str(hi)]["ratio"], "<=", 1.5, True),
+        ("kvlib/HF tokens/s, fp32, identical tokens", h["ratio"], ">=", 1.3, h["identical"]),
+        (f"decode (ctx {lo}) / {MATVEC_BIG}^2 matvec bandwidth", f[f"decode_ctx{lo}"]["fraction"], ">=", 0.6, True),
+        # chapter 11's: the decode-speed sections
+        ("decode / bare matvecs over the same matrices", sb["matvec_ms"] / sb["decode_ms"], ">=", 0.8, True),
+        ("bf16 decode speedup over fp32", p["bf16"]["speedup"], ">=", 1.6, True),
+        ("bf16 perplexity / fp32 (within 1%)", p["bf16"]["ppl_ratio"], "<=", 1.01, True),
+        ("bf16 next-token agreement with fp32", p["bf16"]["agreement"], ">=", 0.97, True),
+        ("int8 decode speedup over fp32", p["int8"]["speedup"], ">=", 2.5, True),
+        ("int8 perplexity / fp32 (within 2%)", p["int8"]["ppl_ratio"], "<=", 1.02, True),
+        ("int8 next-token agreement with fp32", p["int8"]["agreement"], ">=", 0.95, True),
+        ("kvlib/HF tokens/s, bf16", hb["ratio"], ">=", 1.3, True),
+    ]
+    out = []
+    for claim, value, op, threshold, also in rows:
+        ok = None if value is None else also and (value >= threshold if op == ">=" else value <= threshold)
+        out.append({"claim": f"{claim} {op} {threshold:g}", "measured": value, "pass": ok})
+    return out
+
+
+# -- output ---------------------------------------------------------------------------------
+def print_report(r: dict, plan: Plan) -> None:
+    """The machine, one table row per measurement, and each target's verdict, on stdout."""
+    print(header(r["machine"]))
+    rows = table_rows(r, plan)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print("\ntargets")
+    for t in r["targets"]:
+        verdict = {None: "n/a ", True: "PASS", False: "MISS"}[t["pass"]]
+        shown = "not measured" if t["measured"] is None else f"{t['measured']:.2f}"
+        print(f"  {verdict}  {t['claim']:<56} measured {shown}")
+
+
+def json_ready(x: object) -> object:
+    """``x`` in plain JSON types: ints stay ints and floats floats, tuples become lists,
+    and numpy or torch scalars become the Python number they hold."""
+    if isinstance(x, dict):
+        return {str(k): json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_ready(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if hasattr(x, "item"):  # a numpy or torch scalar
+        return x.item()
+    raise TypeError(f"cannot write {type(x).__name__} as JSON: {x!r}")
