@@ -43,25 +43,58 @@ Legacy = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # ((k_0, v_0), (k_1, v_1
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What every ``update`` of one cache must match: set by the first update (or the constructor)."""
+    """What every ``update`` of one cache must match: keys ``(batch, kv_heads, T, head_dim)``,
+    values ``(batch, kv_heads, T, value_dim)`` (``value_dim=None``: as wide as the keys), one
+    dtype, one device. Fixed by the constructor (a preallocated cache) or by the first update."""
 
     batch: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    value_dim: int | None = None  # MLA's latent cache stores values of another width
+
+    @property
+    def value_width(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
+
+
+def nbytes_of(*stores: object) -> int:
+    """Bytes of every tensor (or object with ``nbytes``, like `kvlib.quant.QTensor`) in
+    ``stores``: tensors, None (skipped), and lists or tuples of them, as caches hold them."""
+    total = 0
+    for x in stores:
+        if x is None:
+            continue
+        if isinstance(x, (list, tuple)):
+            total += nbytes_of(*x)
+        else:
+            total += x.nbytes
+    return total
 
 
 class Cache(abc.ABC):
-    """The protocol every kvlib cache follows, and the helpers a subclass needs.
+    """The protocol every kvlib cache follows, and the bookkeeping every cache shares.
 
     To write your own cache, call ``super().__init__(n_layer)`` in ``__init__`` and
     implement the six abstract members: ``update``, ``get_seq_length(layer_idx=0)``
-    (keep the default), ``nbytes`` (a ``@property``), ``reset`` (which also sets
-    ``self.spec = None``), ``crop`` and ``layer_kv``. Start ``update`` with
-    ``self.validate_update(k, v, layer_idx)`` (shapes, dtype, device, layer index,
-    consistency with earlier updates), and ``crop`` with ``keep = self.crop_length(n)``.
-    Then run `kvlib.check.check_cache` on it.
+    (keep the default), ``nbytes`` (a ``@property``), ``reset``, ``crop`` and ``layer_kv``.
+    Start ``update`` with ``self.validate_update(k, v, layer_idx)`` (shapes, dtype, device,
+    layer index, consistency with earlier updates), and ``crop`` with
+    ``keep = self.crop_length(n)``. Then run `kvlib.check.check_cache` on it.
+
+    The contract of the numbers a learner measures with:
+
+    * ``nbytes`` is every byte of storage the cache holds (keys, values, and what it keeps
+      beside them: scales, positions), each storage counted once. Store a *copy* of what
+      an update gives you (`own`): the model's keys are often views into a larger
+      activation (the fused projection), and keeping a view keeps all of it alive.
+    * ``bytes_written`` is the bytes the cache has really written into its storage, all
+      layers, keys and values, re-copies included (a ``torch.cat`` rewrites the whole
+      cache). Report each write with `count_written` (`own` does it for you).
+    * ``spec`` is what every update must match. A cache that allocates for one shape
+      passes it to ``__init__`` and it never changes; otherwise the first update into an
+      empty cache sets it, so after ``reset`` (or ``crop(0)``) a new batch size is fine.
 
     How it differs from Hugging Face's ``Cache``: the argument order and names of
     ``update(key_states, value_states, layer_idx)``, ``get_seq_length``, ``crop``
@@ -72,10 +105,17 @@ class Cache(abc.ABC):
     masks from ``get_mask_sizes``.
     """
 
-    def __init__(self, n_layer: int) -> None:
+    same_width = True  # keys and values are equally wide; a cache that stores two widths says False
+    beside_kv: tuple[str, ...] = ()  # attributes holding tensors kept beside K/V (positions, scores),
+    # which nbytes and bytes_written leave out; `kvlib.check.storage_bytes` skips them too
+
+    def __init__(self, n_layer: int, spec: CacheSpec | None = None) -> None:
         self.n_layer = positive_int("n_layer", n_layer)
-        self.bytes_written = 0  # bytes this cache has copied into its storage, all layers, K and V
-        self.spec: CacheSpec | None = None  # fixed by the first update; reset() may clear it
+        self.bytes_written = 0  # bytes this cache has written into its storage, all layers, K and V
+        if spec is not None and not isinstance(spec, CacheSpec):
+            raise TypeError(f"spec must be a CacheSpec or None, got {type(spec).__name__}")
+        self._spec = spec  # what updates must match
+        self._spec_fixed = spec is not None  # given by the constructor: never re-derived
 
     # -- the protocol: what a subclass implements -------------------------------------------------
     @abc.abstractmethod
@@ -125,9 +165,29 @@ class Cache(abc.ABC):
         """Tokens held (in layer 0, which is updated first in every forward)."""
         return self.get_seq_length(0)
 
-    def get_seq_len(self, layer: int = 0) -> int:
-        """kvlib 0.1's name for `get_seq_length`."""
-        return self.get_seq_length(layer)
+    @property
+    def spec(self) -> CacheSpec | None:
+        """What every update must match; None while an empty cache has no fixed shape."""
+        if not self._spec_fixed and self._empty():
+            return None
+        return self._spec
+
+    def _empty(self) -> bool:
+        return all(self.get_seq_length(layer) == 0 for layer in range(self.n_layer))
+
+    def count_written(self, *tensors: torch.Tensor) -> None:
+        """Add the bytes of ``tensors`` (what this step wrote into storage) to `bytes_written`."""
+        self.bytes_written += nbytes_of(*tensors)
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of ``t`` in storage of its own, counted in `bytes_written`.
+
+        An update's keys are often a view into the model's activations (a slice of the
+        fused QKV projection): storing the view would keep the whole activation alive.
+        """
+        copy = t.clone(memory_format=torch.contiguous_format)
+        self.count_written(copy)
+        return copy
 
     def check_layer(self, layer_idx: object) -> int:
         """``layer_idx`` if it is an int in ``[0, n_layer)``; else ``IndexError`` (``TypeError`` for a non-int)."""
@@ -141,25 +201,25 @@ class Cache(abc.ABC):
         return layer_idx
 
     def validate_update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
-        """Check one ``update``'s arguments; the first update fixes `spec` for every later one."""
+        """Check one ``update``'s arguments against `spec`; an empty cache's first update sets it."""
         if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
             hint = " (the layer index goes last: update(k, v, layer_idx))" if isinstance(k, int) else ""
             raise TypeError(f"k and v must be tensors, got {type(k).__name__} and {type(v).__name__}{hint}")
         self.check_layer(layer_idx)
-        if k.dim() != 4 or k.shape != v.shape:
-            raise ValueError(
-                f"k and v must both be (batch, kv_heads, new_tokens, head_dim); got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or (self.same_width and k.shape != v.shape):
+            want = "the same (batch, kv_heads, new_tokens)" if not self.same_width else "(batch, kv_heads, new_tokens, head_dim)"
+            raise ValueError(f"k and v must both be {want}; got {tuple(k.shape)} and {tuple(v.shape)}")
         if k.dtype != v.dtype or k.device != v.device:
             raise TypeError(f"k and v differ: {k.dtype} on {k.device} vs {v.dtype} on {v.device}")
         if k.shape[2] == 0:
             raise ValueError(f"update with zero new tokens: k has shape {tuple(k.shape)}")
-        if self.spec is None:
-            self.spec = CacheSpec(k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
-            return
         s = self.spec
+        if s is None:
+            value_dim = None if self.same_width else v.shape[3]
+            self._spec = CacheSpec(k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device, value_dim)
+            return
         for what, want, got in (("batch", s.batch, k.shape[0]), ("kv_heads", s.kv_heads, k.shape[1]),
-                                ("head_dim", s.head_dim, k.shape[3])):
+                                ("head_dim", s.head_dim, k.shape[3]), ("value width", s.value_width, v.shape[3])):
             if want != got:
                 raise ValueError(
                     f"{type(self).__name__} holds {what}={want} but update(layer={layer_idx}) got {what}={got} "
@@ -210,7 +270,9 @@ class DynamicCache(Cache):
 
     Each update allocates a new ``(B, H, S + t, D)`` tensor and copies the old
     ``S`` tokens into it, so decoding N tokens copies O(N²) bytes in total.
-    ``keys[layer]`` and ``values[layer]`` are the stored tensors (None while empty).
+    ``keys[layer]`` and ``values[layer]`` are the stored tensors (None while empty). The
+    first update stores a copy too (as Hugging Face's does), never the caller's view.
+    ``crop`` keeps views of the old tensors; the next update's ``torch.cat`` compacts them.
     """
 
     def __init__(self, n_layer: int) -> None:
@@ -221,12 +283,12 @@ class DynamicCache(Cache):
     def update(self, key_states, value_states, layer_idx):
         self.validate_update(key_states, value_states, layer_idx)
         layer = layer_idx
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = key_states, value_states
+        if self.keys[layer] is None:  # a copy, never a view of the model's activations
+            self.keys[layer], self.values[layer] = self.own(key_states), self.own(value_states)
         else:
             self.keys[layer] = torch.cat([self.keys[layer], key_states], dim=2)  # (B, H, S + t, D): a full copy
             self.values[layer] = torch.cat([self.values[layer], value_states], dim=2)
-        self.bytes_written += self.keys[layer].nbytes + self.values[layer].nbytes  # old + new, every time
+            self.count_written(self.keys[layer], self.values[layer])  # old + new, every time
         return self.keys[layer], self.values[layer]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -235,12 +297,11 @@ class DynamicCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys + self.values if t is not None)
+        return nbytes_of(self.keys, self.values)
 
     def reset(self) -> None:
         self.keys = [None] * self.n_layer
         self.values = [None] * self.n_layer
-        self.spec = None
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
@@ -287,18 +348,18 @@ class StaticCache(Cache):
         device: torch.device | str | None = None,
         grow: bool = False,
     ) -> None:
-        super().__init__(n_layer)
         for name, val in (("batch", batch), ("n_kv_head", n_kv_head), ("max_len", max_len), ("head_dim", head_dim)):
             positive_int(f"StaticCache {name}", val)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         device = torch.device(device) if device is not None else torch.device("cpu")
         shape = (batch, n_kv_head, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(positive_int("n_layer", n_layer))]
+        super().__init__(n_layer, CacheSpec(batch, n_kv_head, head_dim, dtype, keys[0].device))  # allocated: fixed
+        self.keys = keys
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.lengths = [0] * n_layer  # filled slots per layer
         self.grow = grow
-        self.spec = CacheSpec(batch, n_kv_head, head_dim, dtype, self.keys[0].device)
 
     @classmethod
     def for_model(
@@ -317,36 +378,38 @@ class StaticCache(Cache):
 
     @property
     def capacity(self) -> int:
+        """Slots per layer (layer 0's: with ``grow=True`` every layer doubles on its own update)."""
         return self.keys[0].shape[2]
 
-    def _reserve(self, needed: int) -> None:
-        cap = self.capacity
+    def _reserve(self, layer: int, needed: int) -> None:
+        """Double ``layer``'s capacity until it holds ``needed`` tokens (each layer grows on its own update)."""
+        cap = self.keys[layer].shape[2]
         while cap < needed:
             cap *= 2
-        for layer in range(self.n_layer):
-            for buf in (self.keys, self.values):
-                old = buf[layer]
-                B, H, _, D = old.shape
-                new = old.new_zeros(B, H, cap, D)
-                new[:, :, : self.lengths[layer]] = old[:, :, : self.lengths[layer]]  # the one copy a doubling costs
-                self.bytes_written += new[:, :, : self.lengths[layer]].nbytes
-                buf[layer] = new
+        n = self.lengths[layer]
+        for buf in (self.keys, self.values):
+            old = buf[layer]
+            B, H, _, D = old.shape
+            new = old.new_empty(B, H, cap, D)  # not zeroed: slots past the length are never read
+            new[:, :, :n] = old[:, :, :n]  # the one copy a doubling costs
+            self.count_written(new[:, :, :n])
+            buf[layer] = new
 
     def update(self, key_states, value_states, layer_idx):
         self.validate_update(key_states, value_states, layer_idx)
         layer, T = layer_idx, key_states.shape[2]
         start = self.lengths[layer]
         end = start + T
-        if end > self.capacity:
+        if end > self.keys[layer].shape[2]:
             if not self.grow:
                 raise IndexError(
                     f"StaticCache overflow in layer {layer}: {start} tokens cached + {T} new "
                     f"> max_len={self.capacity}; allocate a larger cache or pass grow=True"
                 )
-            self._reserve(end)
+            self._reserve(layer, end)
         self.keys[layer][:, :, start:end] = key_states
         self.values[layer][:, :, start:end] = value_states
-        self.bytes_written += key_states.nbytes + value_states.nbytes  # only the new tokens
+        self.count_written(key_states, value_states)  # only the new tokens
         self.lengths[layer] = end
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
@@ -356,7 +419,7 @@ class StaticCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes allocated: the whole ``max_len`` capacity, used or not."""
-        return sum(t.nbytes for t in self.keys + self.values)
+        return nbytes_of(self.keys, self.values)
 
     def reset(self) -> None:
         self.lengths = [0] * self.n_layer  # old contents are simply overwritten later

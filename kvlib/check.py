@@ -6,12 +6,17 @@
 ``check_cache`` builds fresh caches with the factory and runs each property
 below; the first one that fails raises `CacheCheckError` naming the property
 and what differed; when all pass it returns their names (``verbose=True`` prints
-them on one line). kvlib's own test suite runs these same properties on
-`DynamicCache` and `StaticCache`.
+them on one line). kvlib's own test suite runs these same properties on every
+kvlib cache (``tests/test_conformance.py``).
+
+The keys and values fed are what a model gives a cache: views into one larger
+activation (the fused QKV projection), not tensors of their own. A cache that keeps
+such a view keeps the whole activation alive, which `storage_bytes` sees.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 import torch
@@ -28,9 +33,60 @@ class CacheCheckError(AssertionError):
     """A cache broke one of the protocol's properties."""
 
 
-def _kv(T: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _kv(T: int, seed: int, dtype: torch.dtype, batch: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``(batch, H, T, D)`` as a model makes them: views into one ``(batch, T, 3·H·D)``
+    projection output (queries, keys, values side by side), so neither owns its storage."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype)
+    qkv = torch.randn(batch, T, 3 * H * D, generator=g).to(dtype)  # (B, T, 3·H·D): the fused projection
+
+    def part(i: int) -> torch.Tensor:
+        return qkv[..., i * H * D:(i + 1) * H * D].view(batch, T, H, D).transpose(1, 2)  # (B, H, T, D), a view
+
+    return part(1), part(2)
+
+
+def storage_bytes(cache: Cache) -> int:
+    """Bytes of every distinct storage the cache's attributes reach, each counted once.
+
+    This is the memory the cache really keeps alive: a tensor that is a view of a larger
+    one counts the whole storage under it. Attributes a cache names in ``beside_kv``
+    (positions, scores kept beside K/V, which its ``nbytes`` leaves out) are skipped.
+    """
+    storages: dict[tuple, int] = {}
+    for t in _held_tensors(cache):
+        st = t.untyped_storage()
+        storages[(t.device, st.data_ptr())] = st.nbytes()
+    return sum(storages.values())
+
+
+_OPAQUE = (torch.nn.Module, torch.Generator, type, types.FunctionType, types.MethodType, types.ModuleType,
+           torch.dtype, torch.device, str, bytes, int, float, bool)
+
+
+def _held_tensors(root: object) -> list[torch.Tensor]:
+    """Every tensor reachable from ``root`` through attributes, lists, tuples and dicts."""
+    out, seen = [], set()
+
+    def walk(x: object, depth: int) -> None:
+        if x is None or id(x) in seen or depth > 8 or isinstance(x, _OPAQUE):
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            for y in x:
+                walk(y, depth + 1)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y, depth + 1)
+        elif hasattr(x, "__dict__"):
+            skip = set(getattr(x, "beside_kv", ())) if isinstance(x, Cache) else set()
+            for name, y in vars(x).items():
+                if name not in skip:
+                    walk(y, depth + 1)
+
+    walk(root, 0)
+    return out
 
 
 def _fail(prop: str, msg: str) -> None:
@@ -46,8 +102,11 @@ def _expect_equal(prop: str, what: str, got: torch.Tensor, want: torch.Tensor) -
         _fail(prop, f"{what}: values differ (max |diff| {(got.float() - want.float()).abs().max():.3g})")
 
 
-def _filled(make: Factory, dtype: torch.dtype, chunks=CHUNKS) -> tuple[Cache, list[torch.Tensor], list[torch.Tensor]]:
-    """A cache fed ``chunks`` in every layer, and the concatenated K and V it should hold."""
+def _filled(
+    make: Factory, dtype: torch.dtype, chunks=CHUNKS, exact: bool = True
+) -> tuple[Cache, list[torch.Tensor], list[torch.Tensor]]:
+    """A cache fed ``chunks`` in every layer, and the concatenated K and V it should hold.
+    With ``exact=False`` (properties about bytes or errors) a lossy cache's values are not compared."""
     cache = make(L, B, H, D, dtype)
     ks, vs = [[] for _ in range(L)], [[] for _ in range(L)]
     for step, T in enumerate(chunks):
@@ -56,6 +115,8 @@ def _filled(make: Factory, dtype: torch.dtype, chunks=CHUNKS) -> tuple[Cache, li
             k_all, v_all = cache.update(k, v, layer)
             ks[layer].append(k)
             vs[layer].append(v)
+            if not exact:
+                continue
             _expect_equal("update returns everything so far", f"keys of layer {layer} after step {step}",
                           k_all, torch.cat(ks[layer], dim=2))
             _expect_equal("update returns everything so far", f"values of layer {layer} after step {step}",
@@ -105,10 +166,89 @@ def check_crop_and_reset(make: Factory, dtype: torch.dtype = torch.float32) -> N
 
 def check_nbytes(make: Factory, dtype: torch.dtype = torch.float32) -> None:
     """``nbytes`` is at least what the stored keys and values need: 2·L·B·H·S·D·bytes."""
-    cache, _, _ = _filled(make, dtype)
+    cache, _, _ = _filled(make, dtype, exact=False)
     need = 2 * L * B * H * sum(CHUNKS) * D * torch.empty((), dtype=dtype).element_size()
     if not isinstance(cache.nbytes, int) or cache.nbytes < need:
         _fail("nbytes counts storage", f"nbytes is {cache.nbytes!r}, but the stored K/V alone need {need}")
+
+
+def check_storage(make: Factory, dtype: torch.dtype = torch.float32) -> None:
+    """After a prefill and after each later step, the storage the cache keeps alive
+    (`storage_bytes`, each storage once) equals its ``nbytes``: no view of an activation kept."""
+    cache = make(L, B, H, D, dtype)
+    for step, T in enumerate(CHUNKS):
+        for layer in range(L):
+            cache.update(*_kv(T, 100 * step + layer, dtype), layer)
+        held = storage_bytes(cache)
+        if held != cache.nbytes:
+            what = "the prefill" if step == 0 else f"step {step}"
+            _fail("storage equals nbytes", f"after {what} the cache keeps {held} bytes of storage alive but "
+                  f"nbytes says {cache.nbytes} ({held / max(cache.nbytes, 1):.2f}x): does it store a view of "
+                  f"the keys it was given instead of a copy?")
+
+
+def _snapshot(cache: Cache) -> dict[tuple, tuple[torch.Tensor, torch.Tensor]]:
+    """Each held storage's bytes: {(device, ptr): (the storage as uint8, a copy of it)}."""
+    snap = {}
+    for t in _held_tensors(cache):
+        st = t.untyped_storage()
+        key = (t.device, st.data_ptr())
+        if key not in snap:
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)  # (nbytes,): the storage itself
+            snap[key] = (raw, raw.clone())
+    return snap
+
+
+def _lower_bound_written(cache: Cache, before: dict) -> int:
+    """Bytes an update must at least have written: the bytes that changed in storage held before,
+    plus every new storage (only as much of it as ``layer_kv`` shows, for a buffer filled part way)."""
+    shown: dict[tuple, int] = {}
+    for layer in range(L):
+        for t in cache.layer_kv(layer) or ():
+            key = (t.device, t.untyped_storage().data_ptr())
+            shown[key] = shown.get(key, 0) + t.nbytes
+    total = 0
+    for key, (raw, _) in _snapshot(cache).items():
+        old = before.get(key)
+        if old is not None and old[0].numel() == raw.numel():
+            total += int((old[1] != raw).sum())  # bytes rewritten in place (an equal byte is not seen)
+        else:
+            total += min(shown.get(key, raw.numel()), raw.numel())
+    return total
+
+
+def check_bytes_written(make: Factory, dtype: torch.dtype = torch.float32) -> None:
+    """Every update adds to ``bytes_written`` at least the bytes it really wrote into the
+    cache's storage: the bytes that changed, and every new storage (a ``torch.cat`` copies all)."""
+    cache = make(L, B, H, D, dtype)
+    for step, T in enumerate(CHUNKS):
+        for layer in range(L):
+            k, v = _kv(T, 100 * step + layer, dtype)
+            before, counted = _snapshot(cache), cache.bytes_written
+            cache.update(k, v, layer)
+            grew, wrote = cache.bytes_written - counted, _lower_bound_written(cache, before)
+            if grew <= 0 or grew < wrote:
+                _fail("bytes written counts writes",
+                      f"update(layer={layer}) of step {step} wrote at least {wrote} bytes into the cache's "
+                      f"storage, but bytes_written grew by {grew}")
+
+
+def check_reset_new_batch(make: Factory, dtype: torch.dtype = torch.float32) -> None:
+    """After ``reset()`` the cache takes a batch of another size, and holds only the new tokens."""
+    cache, _, _ = _filled(make, dtype, [2], exact=False)
+    cache.reset()
+    k, v = _kv(3, 55, dtype, batch=B + 1)
+    try:
+        keys, values = cache.update(k, v, 0)
+    except (ValueError, TypeError, IndexError) as e:
+        _fail("reset then a new batch size", f"after reset(), an update with batch {B + 1} (was {B}) raised: {e}")
+    for what, got, want in (("keys", keys, k), ("values", values, v)):
+        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), atol=0.5, rtol=0.1):
+            _fail("reset then a new batch size", f"{what} after reset and a batch of {B + 1}: shape "
+                  f"{tuple(got.shape)}, expected the new tokens alone, {tuple(want.shape)} (a lossy cache "
+                  f"may round them)")
+    if cache.seq_len != 3:
+        _fail("reset then a new batch size", f"seq_len is {cache.seq_len} after reset and 3 new tokens")
 
 
 def check_legacy(make: Factory, dtype: torch.dtype = torch.float32) -> None:
@@ -124,7 +264,7 @@ def check_legacy(make: Factory, dtype: torch.dtype = torch.float32) -> None:
 
 def check_rejects_bad_updates(make: Factory, dtype: torch.dtype = torch.float32) -> None:
     """A mismatched batch or head count raises ValueError/TypeError instead of corrupting the cache."""
-    cache, _, _ = _filled(make, dtype, [2])
+    cache, _, _ = _filled(make, dtype, [2], exact=False)
     k = torch.randn(B + 1, H, 1, D).to(dtype)
     try:
         cache.update(k, k.clone(), 0)
@@ -151,8 +291,9 @@ def check_generation(make: Factory) -> None:
         _fail("generation equals recompute", f"tokens differ from full recompute, first at (row, pos) {diff}")
 
 
-PROPERTIES = [check_update, check_layers_independent, check_crop_and_reset, check_nbytes, check_legacy,
-              check_rejects_bad_updates, check_generation]
+PROPERTIES = [check_update, check_layers_independent, check_crop_and_reset, check_nbytes, check_storage,
+              check_bytes_written, check_reset_new_batch, check_legacy, check_rejects_bad_updates,
+              check_generation]
 
 
 def property_name(prop: Callable) -> str:
@@ -165,7 +306,7 @@ def check_cache(make: Factory, *, verbose: bool = False, not_applicable: dict[st
 
     Returns the names of the properties checked (all of them passed: the first failure
     raises `CacheCheckError`). With ``verbose=True`` it also prints one summary line,
-    ``ok  MyCache: all 7 properties hold (update, ...)``.
+    ``ok  MyCache: all 10 properties hold (update, ...)``.
 
     A cache that by design breaks a property (one that evicts does not return "everything
     so far") declares it: ``not_applicable={"update": "it evicts"}``, by property name.

@@ -27,14 +27,20 @@ from __future__ import annotations
 import torch
 
 from .attention import repeat_kv, softmax
-from .cache import Cache
+from .cache import Cache, nbytes_of
 from .validate import positive_int
 from .model import apply_rope, rope_cos_sin
 
 
 class _Budgeted(Cache):
     """Storage shared by the caches below: per layer, K and V ``(B, H_kv, S, D)`` kept in order,
-    and the absolute position of every held token, ``(B, H_kv, S)``."""
+    and the absolute position of every held token, ``(B, H_kv, S)``.
+
+    ``nbytes`` and ``bytes_written`` count keys and values, chapter 4's formula at the
+    budget; the positions sit beside them (`beside_kv`), 8 bytes per held token per KV head.
+    """
+
+    beside_kv = ("pos",)
 
     def __init__(self, n_layer: int, budget: int, recent: int) -> None:
         super().__init__(n_layer)
@@ -42,11 +48,10 @@ class _Budgeted(Cache):
         self.reset()
 
     def reset(self) -> None:
-        self.k: list[torch.Tensor | None] = [None] * self.n_layer
-        self.v: list[torch.Tensor | None] = [None] * self.n_layer
+        self.keys: list[torch.Tensor | None] = [None] * self.n_layer
+        self.values: list[torch.Tensor | None] = [None] * self.n_layer
         self.pos: list[torch.Tensor | None] = [None] * self.n_layer  # (B, H_kv, S) absolute positions
         self.seen = [0] * self.n_layer  # tokens ever given to each layer
-        self.spec = None
 
     def _check_chunk(self, T: int, held: int) -> None:
         """A chunk that makes the cache evict may not be longer than the recent part."""
@@ -58,7 +63,7 @@ class _Budgeted(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held now (at most the budget), not tokens seen: see `seen`."""
-        return 0 if self.k[layer_idx] is None else self.k[layer_idx].shape[2]
+        return 0 if self.keys[layer_idx] is None else self.keys[layer_idx].shape[2]
 
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """Absolute positions: the new tokens continue from every token seen, evicted or not."""
@@ -67,7 +72,7 @@ class _Budgeted(Cache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v if t is not None)
+        return nbytes_of(self.keys, self.values)
 
     @property
     def n_evicted(self) -> int:
@@ -79,30 +84,30 @@ class _Budgeted(Cache):
         return self.pos[self.check_layer(layer_idx)]
 
     def layer_kv(self, layer_idx):
-        return None if self.k[layer_idx] is None else (self.k[layer_idx], self.v[layer_idx])
+        return None if self.keys[layer_idx] is None else (self.keys[layer_idx], self.values[layer_idx])
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
         for i in range(self.n_layer):
-            if self.k[i] is not None:
-                self.k[i], self.v[i], self.pos[i] = (t[:, :, :keep] for t in (self.k[i], self.v[i], self.pos[i]))
+            if self.keys[i] is not None:
+                self.keys[i], self.values[i], self.pos[i] = (t[:, :, :keep] for t in (self.keys[i], self.values[i], self.pos[i]))
                 self.seen[i] = int(self.pos[i].max()) + 1 if keep else 0
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> None:
         """Keep the held tokens at indices ``keep`` ``(B, H_kv, S')`` (None: all), then append ``k, v``."""
         B, H, T, D = k.shape
         new_pos = torch.arange(self.seen[layer], self.seen[layer] + T, device=k.device).expand(B, H, T)
-        old = (self.k[layer], self.v[layer], self.pos[layer])
+        old = (self.keys[layer], self.values[layer], self.pos[layer])
         if old[0] is None:
             old = (k[:, :, :0], v[:, :, :0], new_pos[:, :, :0])
         elif keep is not None:
             idx = keep[..., None].expand(-1, -1, -1, D)  # (B, H_kv, S', D)
             old = (old[0].gather(2, idx), old[1].gather(2, idx), old[2].gather(2, keep))
-        self.k[layer] = torch.cat([old[0], k], dim=2)  # (B, H_kv, S' + T, D)
-        self.v[layer] = torch.cat([old[1], v], dim=2)
+        self.keys[layer] = torch.cat([old[0], k], dim=2)  # (B, H_kv, S' + T, D)
+        self.values[layer] = torch.cat([old[1], v], dim=2)
         self.pos[layer] = torch.cat([old[2], new_pos], dim=2)
         self.seen[layer] += T
-        self.bytes_written += 2 * self.k[layer].nbytes
+        self.count_written(self.keys[layer], self.values[layer])
 
 
 class WindowCache(_Budgeted):
@@ -130,7 +135,7 @@ class WindowCache(_Budgeted):
 
     def layer_kv(self, layer_idx):
         n = self.held[layer_idx]
-        return None if n == 0 else (self.k[layer_idx][:, :, :n], self.v[layer_idx][:, :, :n])
+        return None if n == 0 else (self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n])
 
     def kept_positions(self, layer_idx: int = 0) -> torch.Tensor | None:
         n = self.held[self.check_layer(layer_idx)]
@@ -139,9 +144,9 @@ class WindowCache(_Budgeted):
     def _unroll(self, layer: int) -> None:
         s = self.start[layer]
         if s:
-            self.k[layer], self.v[layer], self.pos[layer] = (
-                torch.roll(t, -s, dims=2) for t in (self.k[layer], self.v[layer], self.pos[layer]))
-            self.bytes_written += 2 * self.k[layer].nbytes
+            self.keys[layer], self.values[layer], self.pos[layer] = (
+                torch.roll(t, -s, dims=2) for t in (self.keys[layer], self.values[layer], self.pos[layer]))
+            self.count_written(self.keys[layer], self.values[layer])
             self.start[layer] = 0
 
     def update(self, key_states, value_states, layer_idx):
@@ -149,9 +154,9 @@ class WindowCache(_Budgeted):
         B, H, T, D = key_states.shape
         i, W = layer_idx, self.window
         self._check_chunk(T, self.held[i])
-        if self.k[i] is None:
-            self.k[i] = key_states.new_zeros(B, H, W, D)
-            self.v[i] = value_states.new_zeros(B, H, W, D)
+        if self.keys[i] is None:
+            self.keys[i] = key_states.new_zeros(B, H, W, D)
+            self.values[i] = value_states.new_zeros(B, H, W, D)
             self.pos[i] = torch.zeros(B, H, W, dtype=torch.long, device=key_states.device)
         new_pos = torch.arange(self.seen[i], self.seen[i] + T, device=key_states.device)  # (T,)
         held = self.held[i]
@@ -162,22 +167,22 @@ class WindowCache(_Budgeted):
             self._unroll(i)
             if held + T > W:  # slide the newest W - T tokens to the front
                 drop = held + T - W
-                for t in (self.k[i], self.v[i], self.pos[i]):
+                for t in (self.keys[i], self.values[i], self.pos[i]):
                     t[:, :, : W - T] = t[:, :, drop:held].clone()
-                    self.bytes_written += t[:, :, : W - T].nbytes if t.is_floating_point() else 0
+                self.count_written(self.keys[i][:, :, : W - T], self.values[i][:, :, : W - T])
                 held = W - T
             s, self.held[i] = held, held + T
-        self.k[i][:, :, s : s + T] = key_states
-        self.v[i][:, :, s : s + T] = value_states
+        self.keys[i][:, :, s : s + T] = key_states
+        self.values[i][:, :, s : s + T] = value_states
         self.pos[i][:, :, s : s + T] = new_pos
         self.seen[i] += T
-        self.bytes_written += key_states.nbytes + value_states.nbytes
+        self.count_written(key_states, value_states)
         return self.layer_kv(i)
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
         for i in range(self.n_layer):
-            if self.k[i] is not None:
+            if self.keys[i] is not None:
                 self._unroll(i)
                 self.held[i] = min(self.held[i], keep)
                 self.seen[i] = int(self.pos[i][0, 0, keep - 1]) + 1 if self.held[i] else 0
@@ -222,14 +227,15 @@ class SinkCache(_Budgeted):
             B, H, _, D = key_states.shape
             kept = list(range(self.n_sink)) + list(range(self.n_sink + drop, held))
             keep = torch.tensor(kept, device=key_states.device).expand(B, H, len(kept))
-            k = self.k[layer_idx]
+            k = self.keys[layer_idx]
             # rotate in fp32 and round once: a bf16 key is re-rotated at every eviction, and
             # bf16 arithmetic inside the rotation would add its rounding each time
             cos, sin = rope_cos_sin(torch.full((1, 1), -drop, device=k.device), D, self.rope_base, torch.float32)
             window = apply_rope(k[:, :, self.n_sink + drop:].float(), cos, sin).to(k.dtype)
-            self.k[layer_idx] = torch.cat([k[:, :, : self.n_sink + drop], window], dim=2)
+            self.keys[layer_idx] = torch.cat([k[:, :, : self.n_sink + drop], window], dim=2)
+            self.count_written(self.keys[layer_idx])  # the re-rotated keys, written again
         self._append(layer_idx, key_states, value_states, keep)
-        return self.k[layer_idx], self.v[layer_idx]
+        return self.keys[layer_idx], self.values[layer_idx]
 
 
 def h2o_keep(scores: torch.Tensor, heavy: int, protect: int) -> torch.Tensor:
@@ -262,6 +268,8 @@ class H2OCache(_Budgeted):
     without them raises ``ValueError``. Choices are per KV head, as in the paper's code,
     and positions stay absolute.
     """
+
+    beside_kv = ("pos", "score")  # the accumulated attention: fp32, one per held token per KV head
 
     def __init__(self, n_layer: int, heavy: int, recent: int) -> None:
         if not isinstance(heavy, int) or heavy < 0:
@@ -296,7 +304,7 @@ class H2OCache(_Budgeted):
         self.score[layer_idx] = zeros if score is None else torch.cat([score, zeros], dim=2)
         self._append(layer_idx, key_states, value_states, keep)
         self.last_layer = layer_idx
-        return self.k[layer_idx], self.v[layer_idx]
+        return self.keys[layer_idx], self.values[layer_idx]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:

@@ -231,29 +231,48 @@ class HFQuantizedCache(Cache):
     ``HFQuantizedCache(n_layer, "fp8")`` (the backend that needs no extra package;
     ``"quanto"`` and ``"hqq"`` need ``optimum-quanto`` or ``hqq``). Both protocols share
     ``update(k, v, layer_idx)``; this adds what kvlib asks of a cache. ``nbytes``
-    counts every tensor HF's layers hold; ``layer_kv`` is what the last update returned.
+    counts every tensor HF's layers hold, and ``bytes_written`` the tensors an update
+    made there. ``reset`` builds a new HF cache rather than trusting HF's ``reset``:
+    transformers versions differ in what their reset clears (some keep the quantized
+    state), and a reused cache must never return an earlier text's keys.
+    ``layer_kv`` dequantizes what HF's layer holds (its ``_quantized_keys`` and residual
+    ``keys``, transformers 5's layout); nothing dequantized is kept between calls, so the
+    memory held is HF's quantized storage alone.
     """
 
     def __init__(self, n_layer: int, backend: str = "fp8", **kwargs) -> None:
         super().__init__(n_layer)
-        from transformers import LlamaConfig, QuantizedCache  # imported here: kvlib does not need transformers
-
         self.backend, self.kwargs = backend, kwargs
-        self.hf = QuantizedCache(backend, LlamaConfig(num_hidden_layers=n_layer), **kwargs)  # reads the layer count
+        self.hf = self._new_hf()
         self.reset()
 
+    def _new_hf(self):
+        import transformers  # imported here: kvlib does not need transformers
+        from transformers import LlamaConfig, QuantizedCache
+
+        try:
+            return QuantizedCache(self.backend, LlamaConfig(num_hidden_layers=self.n_layer), **self.kwargs)
+        except ValueError as e:
+            if "backend" in str(e).lower():
+                raise ValueError(
+                    f"transformers {transformers.__version__} has no {self.backend!r} QuantizedCache backend "
+                    f"({e}); 'fp8' needs a transformers 5 release that has Fp8QuantizedLayer (5.24 does)"
+                ) from e
+            raise
+
     def reset(self) -> None:
-        self.hf.reset()
-        self.last: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.n_layer
-        self.spec = None
+        self.hf = self._new_hf()  # a fresh HF cache: no quantized state survives, on any version
 
     def update(self, key_states, value_states, layer_idx):
         self.validate_update(key_states, value_states, layer_idx)
-        self.last[layer_idx] = self.hf.update(key_states, value_states, layer_idx)
-        return self.last[layer_idx]
+        before = {_storage_key(t) for t in _tensors(self.hf.layers[layer_idx])}
+        out = self.hf.update(key_states, value_states, layer_idx)
+        self.count_written(*[t for t in _tensors(self.hf.layers[layer_idx]) if _storage_key(t) not in before])
+        return out  # on a first update HF returns the caller's own tensors; it stores them quantized
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.last[layer_idx] is None else self.hf.get_seq_length(layer_idx)
+        layer = self.hf.layers[self.check_layer(layer_idx)]
+        return self.hf.get_seq_length(layer_idx) if getattr(layer, "is_initialized", False) else 0
 
     @property
     def nbytes(self) -> int:
@@ -263,4 +282,27 @@ class HFQuantizedCache(Cache):
         raise NotImplementedError(f"Hugging Face's quantized cache ({self.backend!r}) cannot be cropped")
 
     def layer_kv(self, layer_idx):
-        return self.last[layer_idx]
+        layer = self.hf.layers[self.check_layer(layer_idx)]
+        if self.get_seq_length(layer_idx) == 0:
+            return None
+        out = []
+        for quantized, residual in ((layer._quantized_keys, layer.keys), (layer._quantized_values, layer.values)):
+            parts = [layer._dequantize(quantized)]  # (B, H, S_q, D)
+            if residual.dim() == 4 and residual.shape[-2]:
+                parts.append(residual)  # the full-precision window of the integer backends
+            out.append(torch.cat(parts, dim=-2))
+        return out[0], out[1]
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """The plain tensors an HF cache layer holds (in attributes, tuples and lists)."""
+    out = []
+    for x in vars(obj).values():
+        for t in (x if isinstance(x, (tuple, list)) else (x,)):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())

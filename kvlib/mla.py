@@ -88,25 +88,12 @@ class LatentCache(DynamicCache):
     """A per-layer cache of ``c_kv`` ``(B, 1, S, d_c)`` (in ``keys``) and ``k_rope`` ``(B, 1, S, d_rope)`` (in ``values``).
 
     The same `Cache` protocol as the K/V caches (``update``, ``seq_len``, ``nbytes``,
-    ``crop``, ``reset``); only the two tensors have different widths.
+    ``crop``, ``reset``); only the two tensors have different widths, so its `spec` is a
+    `CacheSpec` with ``kv_heads=1``, ``head_dim=d_c`` and ``value_dim=d_rope``, and every
+    later update is checked against it (batch, widths, dtype and device).
     """
 
-    def validate_update(self, c: torch.Tensor, kr: torch.Tensor, layer: int) -> None:
-        """Like `Cache.validate_update`, for two tensors of different widths: ``spec`` is
-        ``(batch, d_c, d_rope, dtype, device)``."""
-        if not isinstance(c, torch.Tensor) or not isinstance(kr, torch.Tensor):
-            raise TypeError(f"c_kv and k_rope must be tensors, got {type(c).__name__} and {type(kr).__name__}")
-        self.check_layer(layer)
-        if c.dim() != 4 or kr.dim() != 4 or c.shape[:3] != kr.shape[:3] or c.shape[1] != 1 or c.shape[2] == 0:
-            raise ValueError(f"c_kv and k_rope must be (B, 1, T, width) with the same B and T >= 1; "
-                             f"got {tuple(c.shape)} and {tuple(kr.shape)}")
-        if self.spec is None:
-            self.spec = (c.shape[0], c.shape[3], kr.shape[3], c.dtype, c.device)
-            return
-        want = self.spec[:3]
-        if (c.shape[0], c.shape[3], kr.shape[3]) != want:
-            raise ValueError(f"LatentCache holds (batch, d_c, d_rope)={want}, update(layer={layer}) got "
-                             f"{(c.shape[0], c.shape[3], kr.shape[3])}")
+    same_width = False  # c_kv (d_c wide) and k_rope (d_rope wide)
 
 
 class MLAAttention(nn.Module):

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from .attention import AttentionImpl, attend, causal_mask
-from .cache import Cache
+from .cache import Cache, nbytes_of
 
 
 def _lengths(lengths: Sequence[int] | torch.Tensor, name: str = "lengths") -> list[int]:
@@ -216,7 +216,7 @@ class PackedBatch(Cache):
                 pieces.append(x[:, :, cu_new[i]:cu_new[i + 1]])
             store[layer_idx] = torch.cat(pieces, dim=2)  # (1, H_kv, sum(lengths) + N, D)
             out.append(store[layer_idx])
-        self.bytes_written += key_states.nbytes + value_states.nbytes
+        self.count_written(*out)  # every sequence re-concatenated: the whole layer, rewritten
         if layer_idx == self.n_layer - 1:  # the last layer closes the step
             self.lengths = [a + b for a, b in zip(self.lengths, new)]
         return out[0], out[1]
@@ -227,12 +227,11 @@ class PackedBatch(Cache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys + self.values if t is not None)
+        return nbytes_of(self.keys, self.values)
 
     def reset(self) -> None:
         self.keys, self.values = [None] * self.n_layer, [None] * self.n_layer
         self.lengths = [0] * len(self.prompt_lengths)
-        self.spec = None
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("a packed batch holds one length per sequence; it has no single "

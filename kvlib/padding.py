@@ -77,8 +77,11 @@ class PaddedBatch(Cache):
     prompt's ``valid`` ``(B, T)``. Then ``model(ids, batch)`` and every later
     ``model(next_tokens, batch)`` get the right positions and mask from the cache
     itself: pads are masked out as keys, and each row's positions count its real
-    tokens only. Every token after the prompt is real. Storage is the wrapped cache's.
+    tokens only. Every token after the prompt is real. Storage is the wrapped cache's
+    (``nbytes``, ``bytes_written``, ``spec``); the batch keeps a copy of ``valid`` beside it.
     """
+
+    beside_kv = ("valid",)
 
     def __init__(self, cache: Cache, valid: torch.Tensor) -> None:
         if not isinstance(cache, Cache):
@@ -89,7 +92,7 @@ class PaddedBatch(Cache):
         if not bool(valid.any(dim=-1).all()):
             raise ValueError(f"rows {(~valid.any(dim=-1)).nonzero().flatten().tolist()} have no real token")
         super().__init__(cache.n_layer)
-        self.inner, self.valid = cache, valid
+        self.inner, self.valid = cache, valid.clone()  # the caller may reuse its mask
 
     def key_valid(self, n_keys: int) -> torch.Tensor:
         """``(B, n_keys)`` bool: the prompt's padding, then ``True`` for every later token."""
@@ -107,6 +110,10 @@ class PaddedBatch(Cache):
         return attention_mask(T, past + T, self.key_valid(past + T), device=tokens.device, pads_see_themselves=True)
 
     # -- storage: the wrapped cache's ------------------------------------------------------------
+    @property
+    def spec(self):
+        return self.inner.spec
+
     def update(self, key_states, value_states, layer_idx):
         before = self.inner.bytes_written
         out = self.inner.update(key_states, value_states, layer_idx)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import Cache, DynamicCache
+from .cache import Cache, DynamicCache, nbytes_of
 
 BITS = (2, 4, 8)
 
@@ -150,6 +150,8 @@ class CastCache(DynamicCache):
 
     def __init__(self, n_layer: int, dtype: torch.dtype = torch.float16) -> None:
         super().__init__(n_layer)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"CastCache stores a floating-point torch.dtype, got {dtype!r}")
         self.store_dtype = dtype
 
     def update(self, key_states, value_states, layer_idx):
@@ -203,11 +205,10 @@ class QuantizedCache(Cache):
         self.reset()
 
     def reset(self) -> None:
-        self.qk: list[list[QTensor]] = [[] for _ in range(self.n_layer)]
-        self.qv: list[list[QTensor]] = [[] for _ in range(self.n_layer)]
-        self.rk: list[torch.Tensor | None] = [None] * self.n_layer  # (B, H, r, D) full precision
-        self.rv: list[torch.Tensor | None] = [None] * self.n_layer
-        self.spec = None
+        self.keys: list[list[QTensor]] = [[] for _ in range(self.n_layer)]  # quantized, oldest first
+        self.values: list[list[QTensor]] = [[] for _ in range(self.n_layer)]
+        self.residual_keys: list[torch.Tensor | None] = [None] * self.n_layer  # (B, H, r, D) full precision
+        self.residual_values: list[torch.Tensor | None] = [None] * self.n_layer
 
     def _q(self, x: torch.Tensor, how: str) -> QTensor:
         if how == "channel":  # one scale per channel, shared by the block's tokens
@@ -218,41 +219,46 @@ class QuantizedCache(Cache):
         """Quantize the first ``n_blocks * block`` tokens of ``t``: per-channel block by block,
         per-token all at once (its scales do not depend on how tokens are grouped)."""
         if how == "channel":
-            return [self._q(t[:, :, i * self.block:(i + 1) * self.block], how) for i in range(n_blocks)]
-        return [self._q(t[:, :, : n_blocks * self.block], how)]
+            pieces = [self._q(t[:, :, i * self.block:(i + 1) * self.block], how) for i in range(n_blocks)]
+        else:
+            pieces = [self._q(t[:, :, : n_blocks * self.block], how)]
+        self.count_written(pieces)  # codes, scales and minimums: new storage
+        return pieces
 
     def update(self, key_states, value_states, layer_idx):
         k, v, layer = key_states, value_states, layer_idx
         self.validate_update(k, v, layer)
         if self.group_size is not None and k.shape[-1] % self.group_size:
             raise ValueError(f"group_size {self.group_size} does not divide head_dim {k.shape[-1]}")
-        rk = k if self.rk[layer] is None else torch.cat([self.rk[layer], k], dim=2)
-        rv = v if self.rv[layer] is None else torch.cat([self.rv[layer], v], dim=2)
+        rk, rv = self.residual_keys[layer], self.residual_values[layer]
+        if rk is None:  # copies, never views of the model's activations
+            rk, rv = self.own(k), self.own(v)
+        else:
+            rk, rv = torch.cat([rk, k], dim=2), torch.cat([rv, v], dim=2)  # (B, H, r + T, D)
+            self.count_written(rk, rv)
         n_blocks = max(0, (rk.shape[2] - self.residual) // self.block)  # whole blocks that leave the window
         if n_blocks:
-            self.qk[layer] += self._flush(rk, self.key_dim, n_blocks)
-            self.qv[layer] += self._flush(rv, self.value_dim, n_blocks)
-            rk, rv = rk[:, :, n_blocks * self.block:], rv[:, :, n_blocks * self.block:]
-        self.rk[layer], self.rv[layer] = rk, rv
+            self.keys[layer] += self._flush(rk, self.key_dim, n_blocks)
+            self.values[layer] += self._flush(rv, self.value_dim, n_blocks)
+            rk, rv = (self.own(t[:, :, n_blocks * self.block:]) for t in (rk, rv))  # the window, compacted
+        self.residual_keys[layer], self.residual_values[layer] = rk, rv
         return self.layer_kv(layer)
 
     def quantized_length(self, layer: int = 0) -> int:
         """Tokens of ``layer`` held quantized; the rest wait in the full-precision residual window."""
-        return sum(q.shape[2] for q in self.qk[layer])
+        return sum(q.shape[2] for q in self.keys[layer])
 
     def quantized_blocks(self, layer: int = 0) -> int:
         """Pieces of quantized keys in ``layer`` (per channel: one per block; per token: one per flush)."""
-        return len(self.qk[layer])
+        return len(self.keys[layer])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        r = 0 if self.rk[layer_idx] is None else self.rk[layer_idx].shape[2]
-        return self.quantized_length(layer_idx) + r
+        r = self.residual_keys[layer_idx]
+        return self.quantized_length(layer_idx) + (0 if r is None else r.shape[2])
 
     @property
     def nbytes(self) -> int:
-        q = sum(t.nbytes for lst in self.qk + self.qv for t in lst)
-        r = sum(t.nbytes for t in self.rk + self.rv if t is not None)
-        return q + r
+        return nbytes_of(self.keys, self.values, self.residual_keys, self.residual_values)
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
@@ -264,16 +270,18 @@ class QuantizedCache(Cache):
             # Keys and values may be cut into pieces differently (per channel: one piece per block;
             # per token: one per flush). Every flush ends on a block boundary, so both lists can be
             # cut where the coarser one has to stop.
-            start = min(_trim(self.qk[layer], keep), _trim(self.qv[layer], keep))
-            _trim(self.qk[layer], start), _trim(self.qv[layer], start)
-            self.rk[layer], self.rv[layer] = keys[:, :, start:keep], values[:, :, start:keep]  # the rest, as floats
+            start = min(_trim(self.keys[layer], keep), _trim(self.values[layer], keep))
+            _trim(self.keys[layer], start), _trim(self.values[layer], start)
+            # the rest, as floats: a fresh window (the dequantized part becomes full precision again)
+            self.residual_keys[layer] = self.own(keys[:, :, start:keep])
+            self.residual_values[layer] = self.own(values[:, :, start:keep])
 
     def layer_kv(self, layer_idx):
         layer = layer_idx
-        if self.rk[layer] is None:
+        if self.residual_keys[layer] is None:
             return None
-        keys = torch.cat([q.dequantize() for q in self.qk[layer]] + [self.rk[layer]], dim=2)  # (B, H, S, D)
-        values = torch.cat([q.dequantize() for q in self.qv[layer]] + [self.rv[layer]], dim=2)
+        keys = torch.cat([q.dequantize() for q in self.keys[layer]] + [self.residual_keys[layer]], dim=2)  # (B, H, S, D)
+        values = torch.cat([q.dequantize() for q in self.values[layer]] + [self.residual_values[layer]], dim=2)
         return keys, values
 
 
@@ -344,37 +352,39 @@ class FP8Cache(Cache):
         self.reset()
 
     def reset(self) -> None:
-        self.k: list[FP8Tensor | None] = [None] * self.n_layer
-        self.v: list[FP8Tensor | None] = [None] * self.n_layer
-        self.spec = None
+        self.keys: list[FP8Tensor | None] = [None] * self.n_layer
+        self.values: list[FP8Tensor | None] = [None] * self.n_layer
 
     def _append(self, old: FP8Tensor | None, x: torch.Tensor) -> FP8Tensor:
         if old is None:
-            return quantize_fp8(x, self.scale, per_head=self.per_head)
-        new = quantize_fp8(x, old.scale)  # the frozen scale
-        return FP8Tensor(torch.cat([old.data, new.data], dim=2), old.scale, old.dtype)
+            new = quantize_fp8(x, self.scale, per_head=self.per_head)  # new storage: data and scale
+            self.count_written(new)
+            return new
+        data = torch.cat([old.data, quantize_fp8(x, old.scale).data], dim=2)  # the frozen scale; a full copy
+        self.count_written(data)
+        return FP8Tensor(data, old.scale, old.dtype)
 
     def update(self, key_states, value_states, layer_idx):
         self.validate_update(key_states, value_states, layer_idx)
-        self.k[layer_idx] = self._append(self.k[layer_idx], key_states)
-        self.v[layer_idx] = self._append(self.v[layer_idx], value_states)
+        self.keys[layer_idx] = self._append(self.keys[layer_idx], key_states)
+        self.values[layer_idx] = self._append(self.values[layer_idx], value_states)
         return self.layer_kv(layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.k[layer_idx] is None else self.k[layer_idx].data.shape[2]
+        return 0 if self.keys[layer_idx] is None else self.keys[layer_idx].data.shape[2]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v if t is not None)
+        return nbytes_of(self.keys, self.values)
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
-        for store in (self.k, self.v):
+        for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 if t is not None:
                     store[i] = FP8Tensor(t.data[:, :, :keep], t.scale, t.dtype)  # the scales stay
 
     def layer_kv(self, layer_idx):
-        if self.k[layer_idx] is None or self.get_seq_length(layer_idx) == 0:
+        if self.keys[layer_idx] is None or self.get_seq_length(layer_idx) == 0:
             return None
-        return self.k[layer_idx].dequantize(), self.v[layer_idx].dequantize()
+        return self.keys[layer_idx].dequantize(), self.values[layer_idx].dequantize()

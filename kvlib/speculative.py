@@ -154,6 +154,12 @@ class _Target:
         else:
             self.cache.crop(n)
 
+    def close(self) -> None:
+        """Free the paged sequence this call added; a plain cache keeps its tokens for the caller."""
+        if isinstance(self.cache, PagedCache) and self.sid is not None:
+            self.cache.free(self.sid)
+            self.sid = None
+
 
 @dataclass
 class SpecStats:
@@ -205,8 +211,9 @@ def speculative_generate(
     the target's next token, and crops the target cache back to what was kept.
 
     ``cache=None`` allocates a `StaticCache` of prompt + ``max_new_tokens`` slots. A
-    `PagedCache` gets a new sequence (its id is ``max(cache.seqs)`` afterwards), rolled
-    back with ``truncate``. Batch size 1 only; the draft sees the prompt and new tokens.
+    `PagedCache` gets a new sequence for the call, rolled back with ``truncate`` and freed
+    when the call returns or raises (its full blocks stay in the prefix cache, so a next
+    call on the same text hits them). Batch size 1 only; the draft sees the prompt and new tokens.
     """
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
@@ -230,23 +237,26 @@ def speculative_generate(
         cache = StaticCache.for_model(model.config, 1, T + max_new_tokens, dtype=model.dtype, device=model.device)
 
     target, stats = _Target(model, cache), SpecStats()
-    seq = ids[0].tolist()
-    seq.append(int(target.prefill(seq).argmax(-1)[-1]))  # the prefill's token; target cache = seq[:-1]
-    new = 1
-    while new < max_new_tokens:
-        k_step = min(k, max_new_tokens - new - 1)  # the bonus token is one more
-        guess = _as_list(draft.propose(list(seq), k_step)) if k_step else []
-        if len(guess) > k_step or any(not 0 <= t < vocab for t in guess):
-            raise ValueError(f"the draft proposed {guess} for k={k_step}: at most k ids in [0, {vocab})")
-        start = target.length
-        logits = target.forward([seq[-1]] + guess, len(guess) + 1)  # (1 + len(guess), vocab)
-        choice = logits.argmax(-1).tolist()  # the target's next token after each fed token
-        a = 0
-        while a < len(guess) and guess[a] == choice[a]:
-            a += 1
-        target.crop(start + 1 + a)  # keep the last token and the accepted proposals; drop the rest
-        seq += guess[:a] + [choice[a]]
-        new += a + 1
-        stats.proposed_per_step.append(len(guess))
-        stats.accepted_per_step.append(a)
+    try:
+        seq = ids[0].tolist()
+        seq.append(int(target.prefill(seq).argmax(-1)[-1]))  # the prefill's token; target cache = seq[:-1]
+        new = 1
+        while new < max_new_tokens:
+            k_step = min(k, max_new_tokens - new - 1)  # the bonus token is one more
+            guess = _as_list(draft.propose(list(seq), k_step)) if k_step else []
+            if len(guess) > k_step or any(not 0 <= t < vocab for t in guess):
+                raise ValueError(f"the draft proposed {guess} for k={k_step}: at most k ids in [0, {vocab})")
+            start = target.length
+            logits = target.forward([seq[-1]] + guess, len(guess) + 1)  # (1 + len(guess), vocab)
+            choice = logits.argmax(-1).tolist()  # the target's next token after each fed token
+            a = 0
+            while a < len(guess) and guess[a] == choice[a]:
+                a += 1
+            target.crop(start + 1 + a)  # keep the last token and the accepted proposals; drop the rest
+            seq += guess[:a] + [choice[a]]
+            new += a + 1
+            stats.proposed_per_step.append(len(guess))
+            stats.accepted_per_step.append(a)
+    finally:
+        target.close()  # a paged sequence is freed (its full blocks stay in the prefix cache)
     return torch.tensor([seq], device=model.device), stats

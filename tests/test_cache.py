@@ -111,7 +111,7 @@ def test_legacy_round_trip(cls):
     # and it keeps working as a cache afterwards (a static one needs room)
     rebuilt = cls.from_legacy(past) if cls is DynamicCache else cls.from_legacy(past, max_len=8)
     rebuilt.update(*kv(1, seed=5), 0)
-    assert rebuilt.get_seq_len(0) == 5
+    assert rebuilt.get_seq_length(0) == 5
 
 
 def test_empty_cache_has_no_legacy_form():
@@ -203,11 +203,12 @@ def test_the_old_argument_order_fails_with_a_hint():
         cache.update(*kv(1), 0.0)
 
 
-def test_hf_names_and_the_old_alias_agree():
+def test_hf_names_and_seq_len_agree():
     cache = DynamicCache(2)
     cache.update(*kv(3), layer_idx=0)  # keywords as Hugging Face names them
     cache.update(key_states=kv(3)[0], value_states=kv(3)[1], layer_idx=1)
-    assert cache.get_seq_length() == cache.get_seq_len() == cache.seq_len == 3
+    assert cache.get_seq_length() == cache.seq_len == 3
+    assert not hasattr(cache, "get_seq_len")  # kvlib 0.1's alias is gone: one name, Hugging Face's
     assert cache.spec == kvlib.CacheSpec(B, H, D, torch.float32, torch.device("cpu"))
     assert cache.crop_length(-1) == 2 and cache.crop_length(10) == 3
 

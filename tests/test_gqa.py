@@ -156,7 +156,7 @@ def test_mla_bad_input():
     with pytest.raises(ValueError, match="d_model=8"):
         m(torch.randn(1, 3, 9))
     cache = LatentCache(1)
-    with pytest.raises(ValueError, match="same B and T"):
+    with pytest.raises(ValueError, match=r"the same \(batch, kv_heads, new_tokens\)"):
         cache.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 2), 0)
     with pytest.raises(IndexError, match="out of range"):
         cache.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 2), 1)

@@ -128,7 +128,7 @@ def test_generation_runs_with_a_quantized_cache():
     cache = QuantizedCache(2, 4, residual=4, block=4)
     out = kvlib.generate(model, prompt, 20, cache=cache)
     assert out.shape == (1, 26) and cache.seq_len == 25
-    assert sum(q.shape[2] for q in cache.qk[0]) == (25 - 4) // 4 * 4  # whole blocks left the residual window
+    assert sum(q.shape[2] for q in cache.keys[0]) == (25 - 4) // 4 * 4  # whole blocks left the residual window
 
 
 @pytest.mark.smollm2
@@ -241,7 +241,7 @@ def test_fp8_cache_nbytes_crop_and_saturation():
     assert cache.seq_len == 10 and cache.nbytes == 2 * 2 * 3 * 10 * 8 + 2 * 2 * 4  # codes + 2 scales a layer
     big = torch.full((1, 3, 1, 8), 1e6)  # far past the range calibrated on the first update
     keys, _ = cache.update(big, big, 0)
-    torch.testing.assert_close(keys[:, :, -1], torch.full((1, 3, 8), FP8_MAX) * cache.k[0].scale)  # saturated
+    torch.testing.assert_close(keys[:, :, -1], torch.full((1, 3, 8), FP8_MAX) * cache.keys[0].scale)  # saturated
     cache.crop(4)
     assert cache.get_seq_length(0) == cache.get_seq_length(1) == 4
     torch.testing.assert_close(cache.layer_kv(1)[0], quantize_fp8(k).dequantize()[:, :, :4], rtol=0, atol=0)

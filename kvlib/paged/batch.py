@@ -57,10 +57,10 @@ class PagedBatch(Cache):
     """
 
     def __init__(self, cache: "PagedCache", sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
-        super().__init__(cache.n_layer)
-        self.cache, self.sids, self.new_tokens, self.start = cache, sids, tokens, lengths
         B, T = len(sids), len(tokens[0])
         device = cache.device
+        super().__init__(cache.n_layer, CacheSpec(B, cache.n_kv_head, cache.head_dim, cache.dtype, device))
+        self.cache, self.sids, self.new_tokens, self.start = cache, sids, tokens, lengths
         self.T = T
         self.lengths = torch.tensor(lengths, device=device)  # (B,): tokens held before this step
         self.S = max(lengths) + T  # keys per row after this step (the longest sequence)
@@ -70,7 +70,6 @@ class PagedBatch(Cache):
         # Blocks this step has not reserved yet, and rows shorter than the longest, read block 0:
         # those slots are overwritten with the new tokens below, or masked out.
         self.block_tables = torch.tensor([t + [0] * (n_blocks - len(t)) for t in tables], device=device)  # (B, n)
-        self.spec = CacheSpec(B, cache.n_kv_head, cache.head_dim, cache.dtype, device)
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.n_layer
         self.committed = False
         self._version = cache.version  # any later change to the tables makes this batch stale
@@ -112,7 +111,7 @@ class PagedBatch(Cache):
             raise ValueError(f"layer {layer_idx} was already written in this step")
         self._check_fresh()
         self.staged[layer_idx] = (key_states, value_states)
-        self.bytes_written += key_states.nbytes + value_states.nbytes
+        self.count_written(key_states, value_states)  # what the commit will write into the pool
         return self._read(layer_idx)
 
     def _check_fresh(self) -> None:
