@@ -41,7 +41,7 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
 
 
-def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack codes ``q`` (uint8, each < 2^bits) along the last dim: ``8 / bits`` codes per byte."""
     _check_bits(bits)
     per = 8 // bits
@@ -54,8 +54,8 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return (q << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bits: the sum is an OR
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack`: ``(..., n / per)`` bytes -> ``(..., n)`` uint8 codes."""
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: ``(..., n / per)`` bytes -> ``(..., n)`` uint8 codes."""
     _check_bits(bits)
     per = 8 // bits
     if per == 1:
@@ -96,7 +96,7 @@ class QTensor:
         return self.codes.nbytes + self.scale.nbytes + extra
 
     def dequantize(self) -> torch.Tensor:
-        q = unpack(self.codes, self.bits).float()  # (..., groups, group_size)
+        q = unpack_codes(self.codes, self.bits).float()  # (..., groups, group_size)
         s = self.scale.float()[..., None]
         if self.minimum is None:
             x = (q - 2 ** (self.bits - 1)) * s
@@ -142,7 +142,7 @@ def quantize(
         scale = _fp16_at_least(span / (2**bits - 1))
         s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))[..., None]
         q = torch.clamp(torch.round((xg - minimum.float()[..., None]) / s), 0, 2**bits - 1)
-    return QTensor(pack(q.to(torch.uint8), bits), scale, minimum, bits, dim - x.dim(), tuple(x.shape), x.dtype)
+    return QTensor(pack_codes(q.to(torch.uint8), bits), scale, minimum, bits, dim - x.dim(), tuple(x.shape), x.dtype)
 
 
 class CastCache(DynamicCache):

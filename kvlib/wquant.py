@@ -17,7 +17,7 @@ int4, asymmetric, one scale and minimum per group of ``group_size`` inputs::
 
 torch's CPU kernels want nn.Linear's ``(out, in)`` layout, so that is how the
 integers are stored. ``quantize_weights(model)`` swaps a model's `Linear` layers
-for `Int8Linear` (or `Int4Linear`) in place; ``weight_bytes(model)`` counts what
+for `Int8Linear` (or `Int4Linear`) in place; ``stored_bytes(model)`` counts what
 it then stores. (The KV cache's quantizers are in `kvlib.quant`.)
 """
 
@@ -219,10 +219,10 @@ def quantize_weights(
     return model
 
 
-def weight_bytes(model: nn.Module) -> int:
+def stored_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer as stored (int8 codes, scales, norms...), shared ones once."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"weight_bytes needs an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"stored_bytes needs an nn.Module, got {type(model).__name__}")
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() not in seen:

@@ -11,11 +11,16 @@ GOOD = {
     "static": lambda n_layer, b, h, d, dtype: StaticCache(n_layer, b, h, 64, d, dtype=dtype),
     "static-grow": lambda n_layer, b, h, d, dtype: StaticCache(n_layer, b, h, 1, d, dtype=dtype, grow=True),
 }
+FIXED_BATCH = {"reset new batch": "preallocated for one batch"}
 
 
 @pytest.mark.parametrize("name", GOOD)
 @pytest.mark.parametrize("prop", PROPERTIES, ids=lambda p: p.__name__)
 def test_kvlib_caches_pass_every_property(name, prop):
+    if name.startswith("static") and prop.__name__ == "check_reset_new_batch":
+        with pytest.raises(CacheCheckError, match="batch"):  # its spec is fixed: it says so, by raising
+            prop(GOOD[name])
+        return
     prop(GOOD[name])
 
 
@@ -66,29 +71,69 @@ class WrongNbytes(DynamicCache):
         return 0
 
 
+class KeepsViews(DynamicCache):
+    """kvlib 0.2's DynamicCache: the first update stores the caller's views of its activation."""
+
+    def update(self, k, v, layer):
+        if self.keys[layer] is None:
+            self.validate_update(k, v, layer)
+            self.keys[layer], self.values[layer] = k, v
+            self.count_written(k, v)
+            return k, v
+        return super().update(k, v, layer)
+
+
+class WritesUncounted(StaticCache):
+    """Writes in place and reports nothing, as 0.2's quantized caches did."""
+
+    def count_written(self, *tensors):
+        pass
+
+
+class ResetKeepsOldShape(DynamicCache):
+    """A reset that leaves the last batch's shape behind, as a hand-kept spec would."""
+
+    def reset(self):
+        old = self.spec
+        super().reset()
+        self._stale = old
+
+    def validate_update(self, k, v, layer_idx):
+        stale = getattr(self, "_stale", None)
+        if stale is not None and k.shape[0] != stale.batch:
+            raise ValueError(f"holds batch={stale.batch}")
+        super().validate_update(k, v, layer_idx)
+
+
 BROKEN = {
     "forgets old tokens": (lambda n, b, h, d, dt: ForgetsOldTokens(n), "update returns everything so far"),
     "layers share storage": (lambda n, b, h, d, dt: SharedLayers(n), "update returns everything so far"),
     "crop ignored": (lambda n, b, h, d, dt: CropIgnored(n, b, h, 64, d, dtype=dt), "crop keeps a prefix"),
     "accepts a wrong batch": (lambda n, b, h, d, dt: NoChecks(n, b + 1, h, 64, d, dtype=dt), "update returns everything so far"),
     "nbytes is zero": (lambda n, b, h, d, dt: WrongNbytes(n), "nbytes counts storage"),
+    "keeps a view of the activation": (lambda n, b, h, d, dt: KeepsViews(n), "storage equals nbytes"),
+    "bytes written not counted": (lambda n, b, h, d, dt: WritesUncounted(n, b, h, 64, d, dtype=dt),
+                                  "bytes written counts writes"),
+    "reset keeps the old batch": (lambda n, b, h, d, dt: ResetKeepsOldShape(n), "reset then a new batch size"),
 }
 
 
 @pytest.mark.parametrize("name", BROKEN)
 def test_broken_caches_fail_with_a_named_property(name):
     make, prop = BROKEN[name]
+    na = FIXED_BATCH if name in ("crop ignored", "accepts a wrong batch", "bytes written not counted") else None
     with pytest.raises(CacheCheckError, match=r"^\[" + prop):
-        check_cache(make)
+        check_cache(make, not_applicable=na)
 
 
 def test_check_cache_returns_every_property_and_prints_one_line(capsys):
-    passed = check_cache(GOOD["static-grow"], verbose=True)
-    assert passed == ["update", "layers independent", "crop and reset", "nbytes", "legacy",
-                      "rejects bad updates", "generation"]
+    passed = check_cache(GOOD["dynamic"], verbose=True)
+    assert passed == ["update", "layers independent", "crop and reset", "nbytes", "storage", "bytes written",
+                      "reset new batch", "legacy", "rejects bad updates", "generation"]
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"ok  StaticCache: all 7 properties hold ({', '.join(passed)})"]
-    assert check_cache(GOOD["dynamic"]) == passed and capsys.readouterr().out == ""  # quiet by default
+    assert lines == [f"ok  DynamicCache: all 10 properties hold ({', '.join(passed)})"]
+    assert check_cache(GOOD["static-grow"], not_applicable=FIXED_BATCH) == [p for p in passed if p != "reset new batch"]
+    assert capsys.readouterr().out == ""  # quiet by default
 
 
 def test_a_failing_cache_prints_no_ok_line(capsys):

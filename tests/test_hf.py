@@ -232,3 +232,51 @@ def test_hf_generate_batch_equals_kvlib_engine_on_smollm2(smollm2):
         eng.add(p, 16)
     want = [v[0] for v in eng.run().values()]
     assert hf_generate_batch(to_hf(model), prompts, 16) == want
+
+
+# -- HFQuantizedCache.reset, on every transformers version pyproject allows ---------------------------------
+def _fp8_layer_class():
+    """transformers' fp8 cache layer class, or None where this version has no 'fp8' backend (4.x)."""
+    import transformers.cache_utils as cu
+
+    return getattr(cu, "Fp8QuantizedLayer", None)
+
+
+def _fill(cache, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(1, 2, T, 8, generator=g) for _ in range(2)]
+    for layer in range(cache.n_layer):
+        cache.update(kv[0], kv[1], layer)
+    return kv
+
+
+@pytest.mark.parametrize("hf_reset", ["this version's", "an older 5.x's, which keeps the quantized state"])
+def test_a_reset_hf_quantized_cache_forgets_the_last_text(hf_reset, monkeypatch):
+    """kvlib 0.2 called HF's own reset, right only where HF drops its quantized state; under the older reset
+    a reused cache returned the first text's keys in front of the second's. At the floors (transformers 4.56)
+    there is no 'fp8' backend at all, and the cache says so by name instead of failing later."""
+    from kvlib.hf import HFQuantizedCache
+
+    layer_class = _fp8_layer_class()
+    if layer_class is None:
+        with pytest.raises(ValueError, match=r"has no 'fp8' QuantizedCache backend"):
+            HFQuantizedCache(2)
+        return
+    if hf_reset != "this version's":
+        def older_reset(self):  # the states zeroed in place, _quantized_keys kept, still "initialized"
+            if self.is_initialized:
+                self.keys.zero_()
+                self.values.zero_()
+            self.cumulative_length = 0
+
+        monkeypatch.setattr(layer_class, "reset", older_reset)
+    reused, fresh = HFQuantizedCache(2), HFQuantizedCache(2)
+    _fill(reused, 5, seed=0)
+    reused.reset()
+    assert reused.seq_len == 0 and reused.layer_kv(0) is None and reused.nbytes == 0
+    _fill(reused, 3, seed=1)
+    _fill(fresh, 3, seed=1)
+    assert reused.seq_len == fresh.seq_len == 3
+    for layer in range(2):
+        for got, want in zip(reused.layer_kv(layer), fresh.layer_kv(layer)):
+            assert torch.equal(got, want)

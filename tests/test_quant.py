@@ -9,8 +9,8 @@ import kvlib
 from kvlib.check import check_cache
 from kvlib.hf import HFQuantizedCache
 from kvlib.quant import (
-    FP8, FP8_MAX, CastCache, FP8Cache, QuantizedCache, fp8_scale, pack, quantize,
-    quantize_fp8, unpack,
+    FP8, FP8_MAX, CastCache, FP8Cache, QuantizedCache, fp8_scale, pack_codes, quantize,
+    quantize_fp8, unpack_codes,
 )
 
 
@@ -49,15 +49,15 @@ def test_a_constant_group_is_exact():
 def test_packing_round_trips_exactly(bits, n, seed):
     per = 8 // bits
     q = torch.randint(0, 2**bits, (3, n * per), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
-    packed = pack(q, bits)
+    packed = pack_codes(q, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (3, n)
-    assert torch.equal(unpack(packed, bits), q)
+    assert torch.equal(unpack_codes(packed, bits), q)
 
 
 def test_int4_packing_layout():
     # code i of a byte sits in bits [4i, 4i + 4): codes (0x3, 0xA) pack to 0xA3
-    assert pack(torch.tensor([[3, 10]], dtype=torch.uint8), 4).tolist() == [[0xA3]]
-    assert pack(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).tolist() == [[1 | 2 << 2 | 3 << 4]]
+    assert pack_codes(torch.tensor([[3, 10]], dtype=torch.uint8), 4).tolist() == [[0xA3]]
+    assert pack_codes(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).tolist() == [[1 | 2 << 2 | 3 << 4]]
 
 
 def kv(T, seed=0, B=1, H=2, D=8):
@@ -165,7 +165,7 @@ def test_bad_quantize_input():
     with pytest.raises(TypeError, match="floating-point"):
         quantize(torch.ones(2, 2, dtype=torch.long), 8)
     with pytest.raises(ValueError, match="multiple of 2 to pack"):
-        pack(torch.zeros(1, 3, dtype=torch.uint8), 4)
+        pack_codes(torch.zeros(1, 3, dtype=torch.uint8), 4)
     cache = QuantizedCache(1, 4, group_size=3, key_dim="token", block=2)
     with pytest.raises(ValueError, match="group_size 3 does not divide head_dim 8"):
         cache.update(*kv(2), 0)

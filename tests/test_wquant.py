@@ -11,7 +11,7 @@ from kvlib.evaluate import agreement, score
 from kvlib.model import Linear
 from kvlib.wquant import (
     Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8,
-    quantize_weights, weight_bytes,
+    quantize_weights, stored_bytes,
 )
 
 
@@ -202,14 +202,14 @@ def test_weight_bytes_counts_what_is_stored():
     matrices = cfg.n_layer * sum(K * N for K, N in [(64, 128), (64, 64), (64, 256), (128, 64)])
     head = 64 * 96
     norms = (2 * cfg.n_layer + 1) * 64
-    assert weight_bytes(model) == 4 * (matrices + head + norms)
+    assert stored_bytes(model) == 4 * (matrices + head + norms)
     q = quantize_weights(model, "int8")
     out_channels = cfg.n_layer * (128 + 64 + 256 + 64) + 96
-    assert weight_bytes(q) == matrices + head + 4 * out_channels + 4 * norms
+    assert stored_bytes(q) == matrices + head + 4 * out_channels + 4 * norms
     # int4, untied: half a byte a code, an fp32 (scale, zero) per 32 codes; the embedding stays fp32
     q4 = quantize_weights(tiny(False), "int4", group_size=32)
     emb = 96 * 64
-    assert weight_bytes(q4) == (matrices + head) // 2 + 2 * 4 * (matrices + head) // 32 + 4 * (emb + norms)
+    assert stored_bytes(q4) == (matrices + head) // 2 + 2 * 4 * (matrices + head) // 32 + 4 * (emb + norms)
 
 
 # -- the real model ---------------------------------------------------------------------------------
@@ -263,13 +263,13 @@ def test_smollm2_generates_greedily(smol, name):
 
 def test_smollm2_int8_weights_are_half_of_bf16(smol):
     fp32, _, models, _ = smol
-    bf16, int8 = weight_bytes(models["bf16"]), weight_bytes(models["int8"])
-    assert bf16 == weight_bytes(fp32) // 2
+    bf16, int8 = stored_bytes(models["bf16"]), stored_bytes(models["int8"])
+    assert bf16 == stored_bytes(fp32) // 2
     n_channels = sum(m.w_int8.shape[0] for m in models["int8"].modules() if isinstance(m, Int8Linear))
     norms = sum(p.nbytes for n, p in models["int8"].named_parameters() if n.endswith("norm.weight"))
     # the matrices' bytes halve; a 2-byte scale per output channel comes on top; norms stay bf16
     assert int8 == (bf16 - norms) // 2 + 2 * n_channels + norms
-    assert weight_bytes(models["int4 g32"]) < 0.36 * bf16  # the tied lm_head (21% of them) stays int8
+    assert stored_bytes(models["int4 g32"]) < 0.36 * bf16  # the tied lm_head (21% of them) stays int8
 
 
 # -- bad input -------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from .. import timing
 from ..evaluate import Score, agreement
 from ..model import Transformer
 from ..pretrained import load_smollm2
-from ..wquant import quantize_weights, weight_bytes
+from ..wquant import quantize_weights, stored_bytes
 
 
 def scored(model: Transformer, ids: torch.Tensor) -> Score:
@@ -57,7 +57,7 @@ def precision_ladder(ids: torch.Tensor, text: torch.Tensor, context: int, steps:
     for name, m in models.items():
         s = ref if name == "fp32" else scored(m, text)
         ms = 1e3 * statistics.median(times[name])
-        out[name] = {"ms": ms, "weight_bytes": weight_bytes(m), "perplexity": s.perplexity,
+        out[name] = {"ms": ms, "weight_bytes": stored_bytes(m), "perplexity": s.perplexity,
                      "ppl_ratio": s.perplexity / ref.perplexity, "agreement": agreement(ref, s)}
     for name in out:
         out[name]["speedup"] = out["fp32"]["ms"] / out[name]["ms"]

@@ -288,10 +288,10 @@ class PagedCache:
         (copy-on-write, new blocks), write its K/V into them, extend the token lists and seal
         full blocks. Every check runs before the first change, so a refused commit (twice,
         incomplete, stale, or a batch of another cache) leaves the cache byte for byte as it was."""
-        if batch.cache is not self or self._open is not batch:
-            raise ValueError("this PagedBatch is not the open step of this cache; call PagedCache.step again")
         if batch.committed:
             raise ValueError("this PagedBatch was already committed; call PagedCache.step for the next step")
+        if batch.cache is not self or self._open is not batch:
+            raise ValueError("this PagedBatch is not the open step of this cache; call PagedCache.step again")
         if self.version != batch._version:
             raise ValueError(
                 "this PagedBatch is stale: the cache's block tables changed after it was made "
