@@ -201,7 +201,8 @@ def _snapshot(cache: Cache) -> dict[tuple, tuple[torch.Tensor, torch.Tensor]]:
 
 def _lower_bound_written(cache: Cache, before: dict) -> int:
     """Bytes an update must at least have written: the bytes that changed in storage held before,
-    plus every new storage (only as much of it as ``layer_kv`` shows, for a buffer filled part way)."""
+    plus the non-zero bytes of every new storage (a freshly zeroed block's zeros are an allocation,
+    not a write), and no more of a new buffer than ``layer_kv`` shows (one filled part way)."""
     shown: dict[tuple, int] = {}
     for layer in range(L):
         for t in cache.layer_kv(layer) or ():
@@ -213,7 +214,7 @@ def _lower_bound_written(cache: Cache, before: dict) -> int:
         if old is not None and old[0].numel() == raw.numel():
             total += int((old[1] != raw).sum())  # bytes rewritten in place (an equal byte is not seen)
         else:
-            total += min(shown.get(key, raw.numel()), raw.numel())
+            total += min(shown.get(key, raw.numel()), int((raw != 0).sum()))
     return total
 
 

@@ -11,7 +11,9 @@ the length; with a cache each step costs one position.
 
 Parameter and cache counts come from `kvlib.memory`. ``dtype`` is the width
 of one stored number, a name (``"fp32"``, ``"fp16"``) or a byte count, for
-weights and cache alike; kvlib's own models are fp32, so that is the default.
+weights and cache alike. The default is `kvlib.memory.DEFAULT_DTYPE` (fp16, a serving
+GPU's), the same as `kvlib.memory`'s and `kvlib.hardware.step_time`'s; kvlib's own CPU
+models are fp32, so pass ``dtype="fp32"`` for them.
 A multiply-add counts as 2 FLOPs. Norms, RoPE, softmax and the SwiGLU
 product are left out of the FLOP counts: they are O(d_model) per token
 against O(d_model²) for the matmuls.
@@ -24,7 +26,7 @@ from .config import ModelConfig
 from .validate import int_at_least
 
 
-def decode_bytes_per_token(config: ModelConfig, context: int, dtype: str | int = "fp32", batch: int = 1) -> int:
+def decode_bytes_per_token(config: ModelConfig, context: int, dtype: str | int = memory.DEFAULT_DTYPE, batch: int = 1) -> int:
     """Bytes one decode step must move to or from memory, ``context`` tokens already cached.
 
     ===================  ==================================================================
@@ -128,7 +130,7 @@ def kv_width(kv_dtype: str | float) -> float:
 
 
 def step_bytes(config: ModelConfig, batch: int, context: int, new_tokens: int = 1,
-               dtype: str | int = "fp32", kv_dtype: str | float | None = None) -> dict[str, int]:
+               dtype: str | int = memory.DEFAULT_DTYPE, kv_dtype: str | float | None = None) -> dict[str, int]:
     """Bytes one forward step moves: ``batch`` sequences, each with ``context`` tokens
     cached, each adding ``new_tokens`` (1 for a decode step; a prefill is ``context=0,
     new_tokens=T``).
@@ -173,7 +175,7 @@ def step_flops(config: ModelConfig, batch: int, context: int, new_tokens: int = 
 
 
 def intensity(config: ModelConfig, batch: int, context: int, new_tokens: int = 1,
-              dtype: str | int = "fp32", kv_dtype: str | float | None = None) -> dict[str, float]:
+              dtype: str | int = memory.DEFAULT_DTYPE, kv_dtype: str | float | None = None) -> dict[str, float]:
     """Arithmetic intensity (FLOPs per byte moved) of the whole step, its matmuls
     (against the weights) and its attention (against the cache).
 
@@ -190,7 +192,7 @@ def intensity(config: ModelConfig, batch: int, context: int, new_tokens: int = 1
     }
 
 
-def crossover_context(config: ModelConfig, batch: int = 1, dtype: str | int = "fp32",
+def crossover_context(config: ModelConfig, batch: int = 1, dtype: str | int = memory.DEFAULT_DTYPE,
                       kv_dtype: str | float | None = None) -> float:
     """The context at which a decode step reads as many cache bytes as weight bytes.
 

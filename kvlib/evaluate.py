@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .cache import Cache
 from .model import Transformer
+from .validate import int_at_least, positive_int
 
 
 @dataclass
@@ -50,11 +51,9 @@ def score(
     say) and to itself. Without it, each chunk is one plain forward pass.
     """
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-    if not isinstance(chunk, int) or chunk < 2:
-        raise ValueError(f"chunk must be an int >= 2 (one context token and one to predict), got {chunk!r}")
+    int_at_least("chunk", chunk, 2)  # one context token and one to predict
     n = ids.numel() // chunk if max_chunks is None else min(ids.numel() // chunk, max_chunks)
-    if not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be a positive int, got {step!r}")
+    positive_int("step", step)
     if n == 0:
         raise ValueError(f"need at least one chunk of {chunk} tokens, got {ids.numel()} tokens")
     rows = ids[: n * chunk].view(n, chunk).to(model.device)  # (n, chunk)

@@ -28,7 +28,7 @@ import torch
 
 from .attention import repeat_kv, softmax
 from .cache import Cache, nbytes_of
-from .validate import positive_int
+from .validate import int_at_least, positive_int
 from .model import apply_rope, rope_cos_sin
 
 
@@ -203,8 +203,7 @@ class SinkCache(_Budgeted):
     """
 
     def __init__(self, n_layer: int, n_sink: int, window: int, rope_base: float) -> None:
-        if not isinstance(n_sink, int) or n_sink < 0:
-            raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
+        int_at_least("n_sink", n_sink, 0)
         positive_int("window", window)
         if not rope_base > 0:
             raise ValueError(f"rope_base must be positive, got {rope_base!r}")
@@ -272,8 +271,7 @@ class H2OCache(_Budgeted):
     beside_kv = ("pos", "score")  # the accumulated attention: fp32, one per held token per KV head
 
     def __init__(self, n_layer: int, heavy: int, recent: int) -> None:
-        if not isinstance(heavy, int) or heavy < 0:
-            raise ValueError(f"heavy must be an int >= 0, got {heavy!r}")
+        int_at_least("heavy", heavy, 0)
         super().__init__(n_layer, heavy + positive_int("recent", recent), recent)
         self.heavy = heavy
 

@@ -16,6 +16,7 @@ from .cache import Cache, StaticCache
 from .model import Transformer, check_token_range
 from .padding import PaddedBatch, pad, position_ids
 from .sampling import SamplingParams, sample, sampling_params
+from .validate import int_at_least
 
 
 # -- the two phases ---------------------------------------------------------------------
@@ -93,8 +94,7 @@ def _as_batch(prompt_ids, model: Transformer, attention_mask=None, pad_id: int =
 
 
 def _check_len(model: Transformer, prompt_len: int, past: int, max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    int_at_least("max_new_tokens", max_new_tokens, 0)
     total = past + prompt_len + max_new_tokens
     if total > model.config.max_seq_len:
         raise ValueError(

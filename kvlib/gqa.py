@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .model import Transformer
+from .validate import positive_int
 
 
 def _kv_columns(w: torch.Tensor, H: int, H_kv: int, D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,8 +54,7 @@ def convert_kv_heads(model: Transformer, n_kv_head: int, how: str = "mean") -> T
         raise TypeError(f"model must be a kvlib Transformer, got {type(model).__name__}")
     cfg = model.config
     H, old, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    if not isinstance(n_kv_head, int) or isinstance(n_kv_head, bool) or n_kv_head <= 0:
-        raise ValueError(f"n_kv_head must be a positive int, got {n_kv_head!r}")
+    positive_int("n_kv_head", n_kv_head)
     if H % n_kv_head:
         raise ValueError(f"n_kv_head={n_kv_head} does not divide the {H} query heads: the groups would be uneven")
     if n_kv_head % old and old % n_kv_head:

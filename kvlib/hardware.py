@@ -151,7 +151,7 @@ class StepTime:
 
 
 def step_time(config: ModelConfig, hw: Hardware, batch: int = 1, context: int = 0, new_tokens: int = 1,
-              dtype: str = "fp16", kv_dtype: str | float | None = None) -> StepTime:
+              dtype: str = memory.DEFAULT_DTYPE, kv_dtype: str | float | None = None) -> StepTime:
     """Predicted seconds of one forward step on ``hw``: ``batch`` sequences with
     ``context`` tokens cached, each adding ``new_tokens`` (a decode step is 1; a
     prefill of T tokens is ``context=0, new_tokens=T``), weights at ``dtype`` and the
@@ -299,7 +299,7 @@ def _memory_bytes(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def measure(config: ModelConfig | None = None, dtype: str = "fp32", device: str | torch.device | None = None, *,
+def measure(config: ModelConfig | None, dtype: str, device: str | torch.device | None = None, *,
             rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32), nbytes: int = 512 * 2**20,
             repeats: int = 3) -> Hardware:
     """Profile the machine running this: a `Hardware` whose numbers are measured, not quoted.
@@ -313,7 +313,8 @@ def measure(config: ModelConfig | None = None, dtype: str = "fp32", device: str 
       ``overhead`` (plus ``overhead_per_row``) is what a step of its depth and width
       spends outside its matmuls (see `_overhead`).
 
-    Takes a few seconds and ``nbytes`` (twice, briefly) of memory.
+    ``dtype`` (required: what runs fast differs by machine, ``"fp32"`` on most CPUs) is
+    the width of the numbers timed. Takes a few seconds and ``nbytes`` (twice, briefly) of memory.
     """
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"measure() runs torch dtypes {sorted(TORCH_DTYPES)}, got {dtype!r}")

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .validate import an_int
 from .attention import _check_qkv, causal_mask, softmax_lse
 
 NEG_INF = float("-inf")
@@ -36,9 +37,7 @@ NEG_INF = float("-inf")
 
 # ----------------------------------------------------------------------------- checks
 def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
+    if an_int(name, value) < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
 

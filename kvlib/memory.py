@@ -16,6 +16,9 @@ from .validate import int_at_least, positive_int
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+# The one default width of a stored number, for memory, cost and hardware alike: a serving GPU's
+# fp16 weights and cache. kvlib's own CPU models are fp32: pass dtype="fp32" when you size those.
+DEFAULT_DTYPE = "fp16"
 
 
 def check_config(config: object) -> ModelConfig:
@@ -83,13 +86,13 @@ def param_count(config: ModelConfig) -> int:
     return matrix_params(config) + norms + embedding
 
 
-def weight_bytes(config: ModelConfig, dtype: str | int = "fp16") -> int:
+def weight_bytes(config: ModelConfig, dtype: str | int = DEFAULT_DTYPE) -> int:
     """Bytes of all parameters stored at ``dtype``."""
     return param_count(config) * dtype_bytes(dtype)
 
 
 # -- the cache ------------------------------------------------------------------------------------
-def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str | int = "fp16") -> int:
+def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str | int = DEFAULT_DTYPE) -> int:
     """Bytes of keys and values for ``batch`` sequences of ``seq_len`` positions:
     ``2 * n_layer * batch * n_kv_head * seq_len * head_dim * dtype_bytes(dtype)``."""
     check_config(config)
@@ -98,13 +101,13 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str
     return 2 * config.n_layer * batch * config.n_kv_head * seq_len * config.head_dim * dtype_bytes(dtype)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str | int = "fp16") -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype: str | int = DEFAULT_DTYPE) -> int:
     """Cache bytes one more token adds to one sequence."""
     return kv_cache_bytes(config, 1, 1, dtype)
 
 
 # -- what fits ------------------------------------------------------------------------------------
-def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = "fp16", *, weights: bool = True) -> int:
+def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = DEFAULT_DTYPE, *, weights: bool = True) -> int:
     """How many cached tokens (summed over the batch) fit in ``memory_bytes``,
     after the weights if ``weights=True``. Activations and fragmentation are ignored."""
     free = memory_bytes - (weight_bytes(config, dtype) if weights else 0)
@@ -116,13 +119,13 @@ def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = "fp16"
     return free // kv_bytes_per_token(config, dtype)
 
 
-def max_batch(config: ModelConfig, memory_bytes: int, seq_len: int, dtype: str | int = "fp16") -> int:
+def max_batch(config: ModelConfig, memory_bytes: int, seq_len: int, dtype: str | int = DEFAULT_DTYPE) -> int:
     """The largest batch of ``seq_len``-token sequences whose cache fits beside the weights."""
     positive_int("seq_len", seq_len)
     return max_tokens(config, memory_bytes, dtype) // seq_len
 
 
-def table(names: list[str] | None = None, seq_len: int = 4096, batch: int = 1, dtype: str | int = "fp16") -> list[dict]:
+def table(names: list[str] | None = None, seq_len: int = 4096, batch: int = 1, dtype: str | int = DEFAULT_DTYPE) -> list[dict]:
     """One row per preset: parameters, weight GiB, cache KiB per token, cache GiB at ``batch x seq_len``."""
     rows = []
     for name in names or [n for n in PRESETS if n != "tiny"]:

@@ -40,6 +40,7 @@ import torch.nn as nn
 from .attention import causal_mask, softmax
 from .cache import DynamicCache
 from .model import Linear, RMSNorm, apply_rope, rope_cos_sin
+from .validate import positive_int
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,7 @@ class MLAConfig:
     def __post_init__(self) -> None:
         for f in ("d_model", "n_head", "d_c", "d_nope", "d_rope", "d_v", "n_layer"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"MLAConfig.{f} must be a positive int, got {v!r}")
+            positive_int(f"MLAConfig.{f}", v)
         if self.d_rope % 2:
             raise ValueError(f"RoPE rotates pairs, so d_rope must be even, got {self.d_rope}")
         if self.d_cq is not None and (not isinstance(self.d_cq, int) or self.d_cq <= 0):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .attention import AttentionImpl, attend, attention_mask
 from .cache import Cache
 from .config import ModelConfig
+from .validate import an_int, int_in_range
 
 
 def check_token_range(tokens: torch.Tensor, vocab_size: int) -> None:
@@ -243,8 +244,7 @@ class Transformer(nn.Module):
         if cache is not None and not isinstance(cache, Cache):
             raise TypeError(f"cache must be a kvlib Cache, got {type(cache).__name__}")
         B, T = tokens.shape
-        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
-            raise TypeError(f"logits_to_keep must be an int, got {type(logits_to_keep).__name__}")
+        an_int("logits_to_keep", logits_to_keep)
         if not 0 <= logits_to_keep <= T:
             raise ValueError(f"logits_to_keep must be in [0, {T}] for {T} tokens, got {logits_to_keep}")
         if last_only:
@@ -307,8 +307,7 @@ class Transformer(nn.Module):
         The weights are shared, not copied. Its outputs are not good text, but it costs
         about ``n / n_layer`` of the full model, which makes curves with many points cheap.
         """
-        if not isinstance(n, int) or not 1 <= n <= self.config.n_layer:
-            raise ValueError(f"n must be an int in [1, {self.config.n_layer}], got {n!r}")
+        int_in_range("n", n, 1, self.config.n_layer)
         small = Transformer(self.config.replace(n_layer=n, name=f"{self.config.name} (first {n} layers)"), device="meta")
         small.tok_emb, small.norm, small.lm_head = self.tok_emb, self.norm, self.lm_head
         small.layers = nn.ModuleList(self.layers[:n])

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import Cache, DynamicCache, nbytes_of
+from .validate import int_at_least, positive_int
 
 BITS = (2, 4, 8)
 
@@ -124,7 +125,7 @@ def quantize(
     dim = dim % x.dim()
     n = x.shape[dim]
     g = n if group_size is None else group_size
-    if not isinstance(g, int) or g <= 0 or n % g:
+    if positive_int("group_size", g) and n % g:
         raise ValueError(f"group_size={group_size!r} must be a positive int dividing the axis length {n} (dim {dim})")
     if g % (8 // bits):
         raise ValueError(f"group_size {g} must be a multiple of {8 // bits} to pack {bits}-bit codes")
@@ -196,9 +197,8 @@ class QuantizedCache(Cache):
         for name, d in (("key_dim", key_dim), ("value_dim", value_dim)):
             if d not in ("channel", "token"):
                 raise ValueError(f"{name} must be 'channel' or 'token', got {d!r}")
-        if not isinstance(residual, int) or residual < 0:
-            raise ValueError(f"residual must be an int >= 0, got {residual!r}")
-        if not isinstance(block, int) or block <= 0 or block % (8 // bits):
+        int_at_least("residual", residual, 0)
+        if positive_int("block", block) % (8 // bits):
             raise ValueError(f"block must be a positive multiple of {8 // bits} for {bits}-bit codes, got {block!r}")
         self.bits, self.key_dim, self.value_dim = bits, key_dim, value_dim
         self.group_size, self.residual, self.block, self.symmetric = group_size, residual, block, symmetric

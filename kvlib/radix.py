@@ -22,7 +22,7 @@ import heapq
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from .validate import positive_int
+from .validate import int_at_least, positive_int
 
 
 class CacheFull(RuntimeError):
@@ -210,8 +210,7 @@ class RadixCache:
         """Free up to ``n_tokens`` tokens, least recently used unlocked leaf first, trimming a
         leaf's edge from its tail; a parent left childless becomes a leaf in turn.
         Returns how many were freed (fewer only if nothing evictable is left)."""
-        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 0:
-            raise ValueError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
+        int_at_least("n_tokens", n_tokens, 0)
         leaves = [(n.last_access, id(n), n) for n in self._nodes()
                   if not n.children and n.lock_ref == 0 and n is not self.root]
         heapq.heapify(leaves)

@@ -32,7 +32,7 @@ from .cache import Cache, DynamicCache, StaticCache
 from .generate import _as_batch, _check_len
 from .model import Transformer
 from .paged import PagedCache
-from .validate import positive_int
+from .validate import int_at_least, int_in_range, positive_int
 
 
 class Draft(Protocol):
@@ -93,8 +93,7 @@ class EarlyExitDraft:
     """
 
     def __init__(self, model: Transformer, n_layers: int) -> None:
-        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or not 1 <= n_layers <= model.config.n_layer:
-            raise ValueError(f"n_layers must be an int in [1, {model.config.n_layer}], got {n_layers!r}")
+        int_in_range("n_layers", n_layers, 1, model.config.n_layer)
         self.model = model.first_layers(n_layers)
         self.vocab_size = model.config.vocab_size
         self.cache = DynamicCache(n_layers)
@@ -215,10 +214,8 @@ def speculative_generate(
     when the call returns or raises (its full blocks stay in the prefix cache, so a next
     call on the same text hits them). Batch size 1 only; the draft sees the prompt and new tokens.
     """
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    int_at_least("k (draft tokens per step)", k, 1)
+    int_at_least("max_new_tokens", max_new_tokens, 1)
     if not callable(getattr(draft, "propose", None)):
         raise TypeError(f"draft must have a propose(context_ids, k) method, got {type(draft).__name__}")
     if cache is not None and not isinstance(cache, (Cache, PagedCache)):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,39 @@ from .cache import StaticCache
 from .generate import decode_step, generate, generate_naive, prefill
 from .model import Transformer
 from .validate import int_at_least, positive_int
+
+
+def threads(n: int) -> AbstractContextManager[None]:
+    """Run the ``with`` block on ``n`` CPU threads, then put back the count there was.
+
+    PyTorch splits one matrix product across ``torch.get_num_threads()`` threads. For
+    a small step that split can cost more than it saves, and on a busy machine one
+    slow thread holds up the rest, so a chapter times its small steps on one thread::
+
+        with kvlib.timing.threads(1):
+            best = round_robin(steps)  # every turn on one thread
+        # back to the chapter's count here, even if round_robin raised
+
+    The count is a setting of the whole process: setting it by hand and forgetting to
+    set it back (or an exception in between skipping the line that would) leaves every
+    later cell on the wrong count. The previous count is restored in a ``finally``, and
+    blocks nest: each restores what the one outside it had set.
+
+    ``n`` is checked now, before anything changes: ``TypeError`` if it is not an int
+    (``1.5``, ``"2"``), ``ValueError`` if it is not positive.
+    """
+    positive_int("n (a thread count)", n)  # TypeError for another kind, ValueError for <= 0
+    return _threads(n)
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:

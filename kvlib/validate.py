@@ -11,17 +11,31 @@ from __future__ import annotations
 import operator
 
 
+def an_int(name: str, value: object) -> int:
+    """``value`` if it is an int (a bool is not, nor is ``2.0``); else ``TypeError`` naming it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
 def int_at_least(name: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) ``>= minimum``; else ``ValueError`` naming it."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    """``value`` if it is an int ``>= minimum``; else ``TypeError`` (not an int) or ``ValueError``."""
+    if an_int(name, value) < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
 def positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int (not a bool) ``> 0``; else ``ValueError`` naming it."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    """``value`` if it is an int ``> 0``; else ``TypeError`` (not an int) or ``ValueError``."""
+    if an_int(name, value) <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def int_in_range(name: str, value: object, low: int, high: int) -> int:
+    """``value`` if it is an int with ``low <= value <= high``; else ``TypeError`` or ``ValueError``."""
+    if not low <= an_int(name, value) <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
     return value
 
 

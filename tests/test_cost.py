@@ -7,8 +7,8 @@ def test_decode_bytes_are_all_weights_plus_the_cache():
     c = PRESETS["tiny"].replace(tie_embeddings=True)
     model = Transformer(c, device="meta")
     weights = sum(p.numel() for p in model.parameters()) * 4
-    assert cost.decode_bytes_per_token(c, 0) == weights + memory.kv_cache_bytes(c, 1, dtype="fp32")
-    assert cost.decode_bytes_per_token(c, 100) - cost.decode_bytes_per_token(c, 0) == memory.kv_cache_bytes(
+    assert cost.decode_bytes_per_token(c, 0, "fp32") == weights + memory.kv_cache_bytes(c, 1, dtype="fp32")
+    assert cost.decode_bytes_per_token(c, 100, "fp32") - cost.decode_bytes_per_token(c, 0, "fp32") == memory.kv_cache_bytes(
         c, 100, dtype="fp32")
 
 

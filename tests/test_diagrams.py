@@ -86,7 +86,7 @@ def test_paged_loop_draws_one_step_per_table_entry():
 @pytest.mark.parametrize("call,error", [
     (lambda: diagrams.attention_rows(0), ValueError),
     (lambda: diagrams.attention_rows(30), ValueError),
-    (lambda: diagrams.attention_rows(2.5), ValueError),
+    (lambda: diagrams.attention_rows(2.5), TypeError),
     (lambda: diagrams.cache_layout(seq=4, filled=4), ValueError),
     (lambda: diagrams.cache_layout(layers=0), ValueError),
     (lambda: diagrams.block_table(lengths=()), ValueError),

@@ -238,9 +238,11 @@ def test_token_times_are_recorded_per_emitted_token(tiny):
     assert len(seq.times) == len(seq.output) == 5 and seq.times == sorted(seq.times)
 
 
-@pytest.mark.parametrize("budget", [0, -3, 2.5, True])
-def test_a_token_budget_must_be_a_positive_int(tiny, budget):
-    with pytest.raises(ValueError, match="token_budget must be a positive int"):
+@pytest.mark.parametrize("budget, error, match", [
+    (0, ValueError, "must be a positive int"), (-3, ValueError, "must be a positive int"),
+    (2.5, TypeError, "must be an int, got float"), (True, TypeError, "must be an int, got bool")])
+def test_a_token_budget_must_be_a_positive_int(tiny, budget, error, match):
+    with pytest.raises(error, match="token_budget " + match):
         Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4), token_budget=budget)
 
 
@@ -265,11 +267,13 @@ def test_a_prompt_whose_cache_add_fails_is_put_back(tiny, monkeypatch):
     assert eng.run()[0][0] == ref
 
 
-@pytest.mark.parametrize("budget", [-1, 2.5, True])
-def test_a_prefill_budget_must_be_an_int_of_at_least_0(tiny, budget):
+@pytest.mark.parametrize("budget, error, match", [
+    (-1, ValueError, "budget must be an int >= 0"), (2.5, TypeError, "budget must be an int, got float"),
+    (True, TypeError, "budget must be an int, got bool")])
+def test_a_prefill_budget_must_be_an_int_of_at_least_0(tiny, budget, error, match):
     eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4))
     eng.add([1, 2], 2)
-    with pytest.raises(ValueError, match="budget must be an int >= 0"):
+    with pytest.raises(error, match=match):
         eng.prefill(budget)
     assert len(eng.scheduler.waiting) == 1  # nothing was admitted
 

@@ -42,17 +42,17 @@ def test_bars_scale_with_bytes():
     assert widths[1] / widths[0] == pytest.approx(r["cache_bytes"] / r["weight_bytes"], rel=1e-3)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"config": "gpt-5"}, "unknown preset"),
-    ({"batch": 0}, "batch must be a positive int"),
-    ({"seq_len": 2.5}, "seq_len must be a positive int"),
-    ({"n_kv_head": 5}, "must divide n_head=32"),
-    ({"dtype": "fp12"}, "dtype must be one of"),
-    ({"gpu_gib": 0}, "gpu_gib must be positive"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"config": "gpt-5"}, ValueError, "unknown preset"),
+    ({"batch": 0}, ValueError, "batch must be a positive int"),
+    ({"seq_len": 2.5}, TypeError, "seq_len must be an int, got float"),
+    ({"n_kv_head": 5}, ValueError, "must divide n_head=32"),
+    ({"dtype": "fp12"}, ValueError, "dtype must be one of"),
+    ({"gpu_gib": 0}, ValueError, "gpu_gib must be positive"),
 ])
-def test_bad_input(kwargs, match):
+def test_bad_input(kwargs, error, match):
     args = {"config": "llama-2-7b", "batch": 1, "seq_len": 128} | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         cache_report(**args)
 
 

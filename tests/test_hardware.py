@@ -59,7 +59,7 @@ def test_step_bytes_and_flops_equal_hand_counts(c, batch, context, new, dtype, w
 def test_step_counts_agree_with_memory_and_the_older_cost_functions(c):
     assert cost.step_bytes(c, 1, 40)["total"] == cost.decode_bytes_per_token(c, 40)
     assert cost.step_bytes(c, 4, 40, dtype="fp16")["total"] == cost.decode_bytes_per_token(c, 40, "fp16", batch=4)
-    assert cost.step_bytes(c, 3, 40)["kv_read"] == memory.kv_cache_bytes(c, 40, 3, "fp32")
+    assert cost.step_bytes(c, 3, 40, dtype="fp32")["kv_read"] == memory.kv_cache_bytes(c, 40, 3, "fp32")
     assert cost.step_flops(c, 1, 0, 12)["total"] == cost.cached_flops(c, 12, 1)  # a prefill
     assert cost.step_flops(c, 1, 30)["total"] == cost.flops_per_token(c, 31)  # a decode step
 
@@ -144,13 +144,13 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="dtype"):
         Hardware("x", 1e9, {"fp64": 1e12}, 1e9, "spec")
     with pytest.raises(ValueError, match="measure"):
-        measure(dtype="int8")
+        measure(None, "int8")
 
 
 def test_measure_profiles_this_machine():
     torch.manual_seed(0)
     c = PRESETS["tiny"]
-    hw = measure(c, nbytes=2**22, rows=(1, 2), repeats=1)
+    hw = measure(c, "fp32", nbytes=2**22, rows=(1, 2), repeats=1)
     assert set(hw.matmul_rows) == {1, 2} and set(hw.attention_rows) == {1, 2}
     assert hw.mem_bandwidth == pytest.approx(hw.matmul_rows[1] * 4 / 2)
     assert hw.overhead >= 0 and hw.overhead_per_row >= 0 and hw.overhead + hw.overhead_per_row > 0
@@ -206,3 +206,17 @@ def test_fast_dtype_follows_the_cpus_bf16_instructions(monkeypatch, amx, avx512_
 def test_fast_dtype_rejects_devices_it_does_not_know():
     with pytest.raises(ValueError, match="meta"):
         fast_dtype("meta")
+
+
+def test_one_default_width_across_memory_cost_and_hardware():
+    """memory, cost and step_time share kvlib.memory.DEFAULT_DTYPE; measure must be told what to time."""
+    import inspect
+
+    c = PRESETS["llama-2-7b"]
+    assert memory.DEFAULT_DTYPE == "fp16"
+    for fn in (memory.weight_bytes, memory.kv_cache_bytes, memory.kv_bytes_per_token, cost.decode_bytes_per_token,
+               cost.step_bytes, cost.intensity, cost.crossover_context, step_time):
+        assert inspect.signature(fn).parameters["dtype"].default == memory.DEFAULT_DTYPE, fn.__name__
+    assert cost.step_bytes(c, 1, 100)["kv_read"] == memory.kv_cache_bytes(c, 100)
+    with pytest.raises(TypeError):
+        measure(c)  # no dtype: which one runs fast differs by machine

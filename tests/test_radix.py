@@ -236,9 +236,9 @@ def test_match_on_empty_prompt_raises():
         cache.match_prefix([])
 
 
-@pytest.mark.parametrize("capacity", [0, -3, 2.5, True])
-def test_bad_capacity_raises(capacity):
-    with pytest.raises(ValueError, match="capacity_tokens"):
+@pytest.mark.parametrize("capacity, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_bad_capacity_raises(capacity, error):
+    with pytest.raises(error, match="capacity_tokens"):
         RadixCache(capacity)
 
 

@@ -22,7 +22,7 @@ def model(tiny_model):
     (dict(top_p=0.0), ValueError, r"top_p must lie in \(0, 1\]"),
     (dict(top_p=1.5), ValueError, r"top_p must lie in \(0, 1\]"),
     (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an int >= 0, got -1"),
-    (dict(max_new_tokens=True), ValueError, "max_new_tokens must be an int >= 0"),
+    (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an int, got bool"),
     (dict(stop=[1, "eos"]), TypeError, "stop must be an int or an iterable of ints"),
     (dict(seed=1, generator=torch.Generator()), ValueError, "either seed or generator"),
     (dict(seed="1"), TypeError, "seed must be an int"),

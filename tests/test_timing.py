@@ -66,3 +66,53 @@ def test_round_robin_keeps_the_fastest_call_of_each():
     assert best["a"] < 0.009 and 0.009 < best["b"] < 0.05  # b's fastest timed call slept 10 ms
     with pytest.raises(ValueError, match="repeats"):
         round_robin({}, repeats=0)
+
+
+# -- threads: a temporary thread count that always comes back ----------------------------------------
+def test_threads_restores_the_count_after_the_block():
+    from kvlib.timing import threads
+
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    with threads(other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+
+
+def test_threads_restores_the_count_after_an_exception():
+    from kvlib.timing import threads
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="inside"):
+        with threads(3):
+            assert torch.get_num_threads() == 3
+            raise RuntimeError("raised inside the block")
+    assert torch.get_num_threads() == before
+
+
+def test_threads_nest_and_each_restores_the_count_outside_it():
+    from kvlib.timing import threads
+
+    before = torch.get_num_threads()
+    with threads(1):
+        with threads(3):
+            assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 1  # the inner block put back the outer's count
+        with threads(2):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("bad, error", [(1.5, TypeError), ("2", TypeError), (True, TypeError), (None, TypeError),
+                                        (0, ValueError), (-1, ValueError)])
+def test_threads_rejects_a_bad_count_before_changing_anything(bad, error):
+    from kvlib.timing import threads
+
+    before = torch.get_num_threads()
+    with pytest.raises(error, match="n"):
+        threads(bad)  # checked at the call, not only on entering the block
+    with pytest.raises(error):
+        with threads(bad):
+            pass
+    assert torch.get_num_threads() == before

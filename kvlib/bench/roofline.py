@@ -24,6 +24,7 @@ import torch
 
 from .. import cost, timing
 from ..model import Linear, Transformer
+from ..validate import int_at_least
 from ..wquant import Int4Linear, Int8Linear
 from .plan import Plan
 
@@ -58,8 +59,7 @@ def bare_matvecs(model: Transformer, repeats: int = 20) -> float:
     times it itself, as `kvlib.timing.round_robin` does). Float matrices only: a quantized
     model's matrices are read by its own kernels, which only its decode step times.
     """
-    if not isinstance(repeats, int) or repeats < 0:
-        raise ValueError(f"repeats must be an int >= 0, got {repeats!r}")
+    int_at_least("repeats", repeats, 0)
     if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
         raise TypeError("bare_matvecs times float matrices; this model holds kvlib.wquant layers, "
                         "whose kernels only its decode step times")

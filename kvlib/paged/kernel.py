@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import online_softmax_step
+from ..validate import an_int
 
 __all__ = ["paged_attention_loop"]
 
@@ -40,7 +41,7 @@ def paged_attention_loop(
     _, bs, H_kv, _ = k_pool.shape
     if H % H_kv:
         raise ValueError(f"{H} query heads cannot share {H_kv} KV heads evenly")
-    if not isinstance(length, int) or not 0 < length <= len(block_table) * bs:
+    if not 0 < an_int("length", length) <= len(block_table) * bs:
         raise ValueError(f"length {length!r} does not fit a table of {len(block_table)} blocks of {bs}")
     G = H // H_kv  # query heads per KV head
     qg = q.float().view(H_kv, G, D) * (D**-0.5 if scale is None else scale)  # (H_kv, G, D)

@@ -1,0 +1,104 @@
+"""kvlib.book: the figure style's tick labels, and the one set-up line every chapter starts with."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kvlib.book  # noqa: E402
+from kvlib.book.plot import plain_ticks, subplots  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def labels(axis) -> list[str]:
+    axis.figure.canvas.draw()  # the formatters run when the figure is drawn
+    return [t.get_text() for t in axis.get_ticklabels() if t.get_visible()]
+
+
+def log_axes():
+    fig, ax = subplots()
+    ax.plot([1, 4096], [0.5, 2_000_000])
+    ax.set(xscale="log", yscale="log")
+    ax.set_xticks([1, 16, 128, 1024, 4096])
+    ax.set_yticks([1, 10, 1000, 1_000_000])
+    return ax
+
+
+def test_log_axes_otherwise_label_powers():
+    ax = log_axes()
+    assert any("^" in t or "times" in t for t in labels(ax.xaxis))  # mathtext: $\mathdefault{2^{7}}$ etc.
+
+
+def test_plain_ticks_on_an_axes_labels_both_axes_with_plain_numbers():
+    ax = log_axes()
+    assert plain_ticks(ax) is ax
+    assert labels(ax.xaxis) == ["1", "16", "128", "1,024", "4,096"]
+    assert labels(ax.yaxis) == ["1", "10", "1,000", "1,000,000"]
+    assert not [t for t in ax.xaxis.get_ticklabels(minor=True) if t.get_text()]  # minor ticks unlabelled
+
+
+def test_plain_ticks_on_one_axis_leaves_the_other_alone_and_takes_a_format():
+    ax = log_axes()
+    assert plain_ticks(ax.xaxis, fmt="{:g}") is ax.xaxis
+    assert labels(ax.xaxis) == ["1", "16", "128", "1024", "4096"]
+    assert any("^" in t for t in labels(ax.yaxis))  # still powers of ten
+    ax.set_yticks([0.5, 2.5])
+    plain_ticks(ax.yaxis)
+    assert labels(ax.yaxis) == ["0.5", "2.5"]  # no trailing zeros, no thousands to group
+
+
+def test_plain_ticks_rejects_what_is_not_an_axis():
+    with pytest.raises(TypeError, match="Axes or Axis"):
+        plain_ticks("x")
+    with pytest.raises((ValueError, KeyError, IndexError)):
+        plain_ticks(subplots()[1], fmt="{:,.12q}")  # a bad format fails at the call
+
+
+# -- kvlib.book.setup ---------------------------------------------------------------------------------
+@pytest.fixture
+def torch_state():
+    """Put back what setup changes: it is process-wide."""
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    rng = torch.get_rng_state()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_grad_enabled(grad)
+    torch.set_rng_state(rng)
+
+
+def test_setup_sets_threads_grad_and_seed(torch_state):
+    assert kvlib.book.setup(threads=1) is None
+    assert torch.get_num_threads() == 1 and not torch.is_grad_enabled()
+    first = torch.rand(3)
+    kvlib.book.setup(threads=2, grad=True)
+    assert torch.get_num_threads() == 2 and torch.is_grad_enabled()
+    assert torch.equal(torch.rand(3), first)  # seeded again: the same numbers
+    state = torch.get_rng_state()
+    kvlib.book.setup(threads=1, seed=None)
+    assert torch.equal(torch.get_rng_state(), state)  # seed=None leaves the generator alone
+
+
+@pytest.mark.parametrize("kwargs, error", [({"threads": 0}, ValueError), ({"threads": 1.0}, TypeError),
+                                           ({"grad": 0}, TypeError), ({"seed": 0.5}, TypeError)])
+def test_setup_rejects_bad_arguments_before_changing_anything(torch_state, kwargs, error):
+    before = torch.get_num_threads(), torch.is_grad_enabled()
+    with pytest.raises(error):
+        kvlib.book.setup(**kwargs)
+    assert (torch.get_num_threads(), torch.is_grad_enabled()) == before
+
+
+def test_importing_kvlib_book_imports_no_plotting_or_widgets():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlib.book; kvlib.book.setup(threads=1); "
+            "print(sorted(m for m in ('matplotlib', 'ipywidgets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
