@@ -98,3 +98,14 @@ def test_the_readme_module_table_lists_exactly_the_modules():
     assert modules <= listed, f"a module, not in the README: {sorted(modules - listed)}"
     assert listed <= modules | packages, f"in the README, not a module: {sorted(listed - modules - packages)}"
     assert packages <= listed, f"a package, not in the README: {sorted(packages - listed)}"
+
+
+def test_pyproject_installs_every_subpackage():
+    """A plain (non-editable) install, as in Colab, must carry kvlib.cache, kvlib.paged, kvlib.bench, kvlib.book."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {"kvlib"} | {f"kvlib.{n}" for n, p in NAMES.items() if p.name == "__init__.py"}
+    assert len(packages) >= 5 and packages <= set(find_packages(ROOT, include=include))
