@@ -52,11 +52,12 @@ def storage_bytes(cache: Cache) -> int:
     one counts the whole storage under it. Attributes a cache names in ``beside_kv``
     (positions, scores kept beside K/V, which its ``nbytes`` leaves out) are skipped.
     """
-    storages: dict[tuple, int] = {}
-    for t in _held_tensors(cache):
-        st = t.untyped_storage()
-        storages[(t.device, st.data_ptr())] = st.nbytes()
-    return sum(storages.values())
+    return sum({_storage_key(t): t.untyped_storage().nbytes() for t in _held_tensors(cache)}.values())
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Which storage ``t`` lies in: views of one tensor share it."""
+    return t.device, t.untyped_storage().data_ptr()
 
 
 _OPAQUE = (torch.nn.Module, torch.Generator, type, types.FunctionType, types.MethodType, types.ModuleType,
@@ -191,10 +192,9 @@ def _snapshot(cache: Cache) -> dict[tuple, tuple[torch.Tensor, torch.Tensor]]:
     """Each held storage's bytes: {(device, ptr): (the storage as uint8, a copy of it)}."""
     snap = {}
     for t in _held_tensors(cache):
-        st = t.untyped_storage()
-        key = (t.device, st.data_ptr())
+        key = _storage_key(t)
         if key not in snap:
-            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)  # (nbytes,): the storage itself
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())  # (nbytes,)
             snap[key] = (raw, raw.clone())
     return snap
 
@@ -206,8 +206,7 @@ def _lower_bound_written(cache: Cache, before: dict) -> int:
     shown: dict[tuple, int] = {}
     for layer in range(L):
         for t in cache.layer_kv(layer) or ():
-            key = (t.device, t.untyped_storage().data_ptr())
-            shown[key] = shown.get(key, 0) + t.nbytes
+            shown[_storage_key(t)] = shown.get(_storage_key(t), 0) + t.nbytes
     total = 0
     for key, (raw, _) in _snapshot(cache).items():
         old = before.get(key)

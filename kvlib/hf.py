@@ -202,18 +202,19 @@ def from_hf(hf_model, *, dtype: torch.dtype | None = None) -> Transformer:
 
 
 # -- Hugging Face's quantized cache, driven by a kvlib model ---------------------------------------
-def _tensor_bytes(obj) -> int:
-    """Bytes of every tensor in ``obj`` (a tensor, a tensor subclass made of inner tensors, or containers)."""
+def _tensors(obj) -> list[torch.Tensor]:
+    """The plain tensors in ``obj``: a tensor, a tensor subclass made of inner tensors (quanto's
+    packed tensors), or tuples, lists and dicts of them."""
     if isinstance(obj, torch.Tensor):
-        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):  # e.g. quanto's packed tensors
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
             names, _ = obj.__tensor_flatten__()
-            return sum(_tensor_bytes(getattr(obj, n)) for n in names)
-        return obj.nbytes
+            return [t for n in names for t in _tensors(getattr(obj, n))]
+        return [obj]
     if isinstance(obj, (tuple, list)):
-        return sum(_tensor_bytes(o) for o in obj)
+        return [t for o in obj for t in _tensors(o)]
     if isinstance(obj, dict):
-        return sum(_tensor_bytes(o) for o in obj.values())
-    return 0
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
 
 
 def hf_cache_bytes(cache) -> int:
@@ -222,7 +223,7 @@ def hf_cache_bytes(cache) -> int:
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise TypeError(f"hf_cache_bytes needs a transformers Cache with .layers, got {type(cache).__name__}")
-    return sum(_tensor_bytes(list(vars(layer).values())) for layer in layers)
+    return sum(t.nbytes for layer in layers for t in _tensors(vars(layer)))
 
 
 class HFQuantizedCache(Cache):
@@ -265,9 +266,10 @@ class HFQuantizedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx):
         self.validate_update(key_states, value_states, layer_idx)
-        before = {_storage_key(t) for t in _tensors(self.hf.layers[layer_idx])}
+        layer = self.hf.layers[layer_idx]
+        before = {t.untyped_storage().data_ptr() for t in _tensors(vars(layer))}
         out = self.hf.update(key_states, value_states, layer_idx)
-        self.count_written(*[t for t in _tensors(self.hf.layers[layer_idx]) if _storage_key(t) not in before])
+        self.count_written(*[t for t in _tensors(vars(layer)) if t.untyped_storage().data_ptr() not in before])
         return out  # on a first update HF returns the caller's own tensors; it stores them quantized
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -292,17 +294,3 @@ class HFQuantizedCache(Cache):
                 parts.append(residual)  # the full-precision window of the integer backends
             out.append(torch.cat(parts, dim=-2))
         return out[0], out[1]
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    """The plain tensors an HF cache layer holds (in attributes, tuples and lists)."""
-    out = []
-    for x in vars(obj).values():
-        for t in (x if isinstance(x, (tuple, list)) else (x,)):
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-    return out
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.untyped_storage().data_ptr())

@@ -32,7 +32,7 @@ def setup(threads: int = 1, grad: bool = False, seed: int | None = 0) -> None:
     """
     import torch
 
-    from kvlib.validate import an_int, positive_int
+    from ..validate import an_int, positive_int
 
     positive_int("threads", threads)
     if not isinstance(grad, bool):

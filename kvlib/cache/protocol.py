@@ -76,10 +76,11 @@ class Cache(abc.ABC):
 
     The contract of the numbers a learner measures with:
 
-    * ``nbytes`` is every byte of storage the cache holds (keys, values, and what it keeps
-      beside them: scales, positions), each storage counted once. Store a *copy* of what
-      an update gives you (`own`): the model's keys are often views into a larger
-      activation (the fused projection), and keeping a view keeps all of it alive.
+    * ``nbytes`` is every byte of storage the cache holds for its keys and values (their
+      scales and minimums included), each storage counted once; bookkeeping tensors kept
+      beside them (positions, scores) are named in ``beside_kv`` and left out. Store a
+      *copy* of what an update gives you (`own`): the model's keys are often views into a
+      larger activation (the fused projection), and keeping a view keeps all of it alive.
     * ``bytes_written`` is the bytes the cache has really written into its storage, all
       layers, keys and values, re-copies included (a ``torch.cat`` rewrites the whole
       cache). Report each write with `count_written` (`own` does it for you).
@@ -122,7 +123,7 @@ class Cache(abc.ABC):
     @property
     @abc.abstractmethod
     def nbytes(self) -> int:
-        """Bytes of memory the cache holds for keys and values."""
+        """Bytes of storage the cache holds for keys and values (see the class docstring)."""
 
     @abc.abstractmethod
     def reset(self) -> None:

@@ -288,15 +288,9 @@ class PagedCache:
         (copy-on-write, new blocks), write its K/V into them, extend the token lists and seal
         full blocks. Every check runs before the first change, so a refused commit (twice,
         incomplete, stale, or a batch of another cache) leaves the cache byte for byte as it was."""
-        if batch.committed:
-            raise ValueError("this PagedBatch was already committed; call PagedCache.step for the next step")
+        batch._check_fresh()  # not committed yet, and no table changed since it was made
         if batch.cache is not self or self._open is not batch:
             raise ValueError("this PagedBatch is not the open step of this cache; call PagedCache.step again")
-        if self.version != batch._version:
-            raise ValueError(
-                "this PagedBatch is stale: the cache's block tables changed after it was made "
-                "(a step, fork, truncate or free); call PagedCache.step again"
-            )
         missing = [i for i, s in enumerate(batch.staged) if s is None]
         if missing:
             raise ValueError(f"cannot commit a step whose layers {missing} were never written")
