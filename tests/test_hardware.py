@@ -198,9 +198,37 @@ def test_prefill_overhead_counts_every_row():
     (False, True, torch.bfloat16), (False, False, torch.float32),
 ])
 def test_fast_dtype_follows_the_cpus_bf16_instructions(monkeypatch, amx, avx512_bf16, want):
+    for var in ("KVLIB_FAST_DTYPE", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(var, raising=False)  # the portable CI job sets them
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     assert fast_dtype() is want and fast_dtype("cpu") is want
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"KVLIB_FAST_DTYPE": "fp32"}, torch.float32),
+    ({"KVLIB_FAST_DTYPE": "BF16", "DNNL_MAX_CPU_ISA": "AVX2"}, torch.bfloat16),  # the override wins
+    ({"DNNL_MAX_CPU_ISA": "AVX2"}, torch.float32),  # oneDNN kept off bf16: the reader's CPU
+    ({"DNNL_MAX_CPU_ISA": "avx512_core_vnni"}, torch.float32),
+    ({"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}, torch.bfloat16),  # bf16 dot products allowed
+    ({"ATEN_CPU_CAPABILITY": "avx2"}, torch.float32),
+    ({"ATEN_CPU_CAPABILITY": "avx512"}, torch.bfloat16),
+])
+def test_fast_dtype_obeys_the_limits_torchs_kernels_obey(monkeypatch, env, want):
+    """Under CI's emulation of an AVX2 CPU the probes still see AMX; fast_dtype must not."""
+    for var in ("KVLIB_FAST_DTYPE", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert fast_dtype() is want
+
+
+def test_fast_dtype_names_a_bad_override(monkeypatch):
+    monkeypatch.setenv("KVLIB_FAST_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="KVLIB_FAST_DTYPE.*'fp16'"):
+        fast_dtype()
 
 
 def test_fast_dtype_rejects_devices_it_does_not_know():

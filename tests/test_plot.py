@@ -85,6 +85,13 @@ def test_setup_sets_threads_grad_and_seed(torch_state):
     assert torch.equal(torch.get_rng_state(), state)  # seed=None leaves the generator alone
 
 
+def test_setup_leaves_the_readers_cores_alone_by_default(torch_state):
+    """A chapter uses every core of the reader's machine; only timing cells pin a count."""
+    torch.set_num_threads(3)
+    kvlib.book.setup()
+    assert torch.get_num_threads() == 3
+
+
 @pytest.mark.parametrize("kwargs, error", [({"threads": 0}, ValueError), ({"threads": 1.0}, TypeError),
                                            ({"grad": 0}, TypeError), ({"seed": 0.5}, TypeError)])
 def test_setup_rejects_bad_arguments_before_changing_anything(torch_state, kwargs, error):
