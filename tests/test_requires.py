@@ -49,3 +49,12 @@ def test_the_cell_magic_skips_or_runs_the_cell(capsys):
     assert shell.user_ns["ran"] == ["old"]
     result = shell.run_cell("%%requires pytest>=1.0\n1 / 0")
     assert isinstance(result.error_in_exec, ZeroDivisionError)
+
+
+@pytest.mark.parametrize("older, newer", [("4.56.0", "5.0"), ("4.56.2", "4.57"), ("5.0.0rc1", "5.0"),
+                                          ("2.12.9", "2.13.0+cpu"), ("1.9", "1.10")])
+def test_versions_compare_as_pip_orders_them(older, newer):
+    from kvlib.book.requires import release
+
+    assert release(older) < release(newer)
+    assert release("5.0.0") == release("5.0") == release("5") and release("2.13.0+cpu") == release("2.13.0")

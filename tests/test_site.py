@@ -92,10 +92,17 @@ def test_page_renders_offline(server, browser, doc):
     ours = [e for e in errors if not any(k in e for k in KNOWN_THEME_ERRORS)]
     assert not ours, f"console errors: {ours}"
 
-    if (ROOT / f"{doc}.ipynb").is_file():  # notebook pages carry a Colab launch link to this file
+    if (ROOT / f"{doc}.ipynb").is_file():  # notebook pages: Colab and download open the reader edition
         cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
         org_repo = urlparse(cfg["repository"]["url"]).path.strip("/")
-        want = f"https://colab.research.google.com/github/{org_repo}/blob/{cfg['repository']['branch']}/{doc}.ipynb"
+        edition = f"reader/{Path(doc).name}.ipynb"
+        assert (ROOT / edition).is_file(), f"no reader edition {edition}: run `make reader`"
+        want = f"https://colab.research.google.com/github/{org_repo}/blob/{cfg['repository']['branch']}/{edition}"
         hrefs = page.eval_on_selector_all("a[href*='colab.research.google.com']", "els => els.map(e => e.href)")
         assert want in hrefs, f"Colab link {want} not among {hrefs}"
+        downloads = page.eval_on_selector_all("a[href$='.ipynb']", "els => els.map(e => e.href)")
+        local = [h for h in downloads if "colab.research.google.com" not in h]
+        assert local and all(h.endswith(edition) for h in local), f"download links {local} should open {edition}"
+        served = SITE / edition
+        assert served.is_file() and served.read_bytes() == (ROOT / edition).read_bytes(), f"{served} not copied"
     page.close()

@@ -24,18 +24,31 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-from packaging.version import Version
-
-_SPEC = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][0-9A-Za-z.]*)\s*$")
+_SPEC = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9]+(?:\.[0-9]+)*)\s*$")
 
 
-def _parse(spec: str) -> tuple[str, Version]:
+def release(version: str) -> tuple[tuple[int, ...], bool]:
+    """``"4.56.0"`` -> ``((4, 56), True)``: the release numbers without trailing zeros, and
+    whether it is a final release. ``"5.0.0rc1"`` -> ``((5,), False)`` sorts below
+    ``"5.0"``, and a local label (``"2.13.0+cpu"``) is ignored, as pip orders them."""
+    m = re.match(r"\s*v?([0-9]+(?:\.[0-9]+)*)(.*)", version)
+    if m is None:
+        raise ValueError(f"not a version number: {version!r}")
+    numbers = [int(n) for n in m.group(1).split(".")]
+    while len(numbers) > 1 and numbers[-1] == 0:
+        numbers.pop()
+    rest = m.group(2).split("+", 1)[0].lstrip(".-_").lower()
+    final = rest == "" or rest.startswith("post")
+    return tuple(numbers), final
+
+
+def _parse(spec: str) -> tuple[str, str]:
     if not isinstance(spec, str):
         raise TypeError(f"a requirement is a string like 'transformers>=5.0', got {spec!r}")
     m = _SPEC.match(spec)
     if m is None:
         raise ValueError(f"a requirement reads 'name>=version' (like 'transformers>=5.0'), got {spec!r}")
-    return m.group(1), Version(m.group(2))
+    return m.group(1), m.group(2)
 
 
 def missing(*specs: str) -> list[str]:
@@ -56,7 +69,7 @@ def missing(*specs: str) -> list[str]:
         except metadata.PackageNotFoundError:
             out.append(f"{spec} (this runtime does not have {name})")
             continue
-        if Version(have) < want:
+        if release(have) < release(want):
             out.append(f"{spec} (this runtime has {have})")
     return out
 

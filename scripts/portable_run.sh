@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run the chapters as a reader's machine runs them, not as the build machine does:
+#   * a CPU without AMX or AVX512 kernels: ATen limited to AVX2, oneDNN to AVX2 (no AMX, no AVX512,
+#     no bf16 instructions), so kvlib.hardware.fast_dtype() answers fp32 as such a CPU would;
+#   * torch on THREADS threads by default (OMP_NUM_THREADS), as on a machine with that many cores;
+#   * two notebooks at once (nbval under xdist) and a busy process competing for the cores, as a
+#     laptop with a browser open, or a Colab VM, always has.
+# Usage: scripts/portable_run.sh PYTHON THREADS [NOTEBOOK ...]   (default: every chapter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="$1"; threads="$2"; shift 2
+[ "$#" -gt 0 ] || set -- book/
+export ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS="$threads"
+export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+"$py" -c "while True: pass" &
+busy=$!
+trap 'kill "$busy" 2>/dev/null || true' EXIT
+echo "== portable run: AVX2 CPU, OMP_NUM_THREADS=$threads, 2 notebooks at once + 1 busy process (pid $busy) =="
+"$py" -c "import torch, kvlib.hardware as h; print('torch', torch.__version__, '| capability',
+    torch.backends.cpu.get_cpu_capability(), '| threads', torch.get_num_threads(),
+    '| fast_dtype', h.fast_dtype())"
+start=$SECONDS
+"$py" -m pytest -p no:cacheprovider -q -n 2 --dist loadfile "$@"
+echo "== portable run (OMP_NUM_THREADS=$threads) passed in $((SECONDS - start)) s =="
