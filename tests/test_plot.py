@@ -92,6 +92,17 @@ def test_setup_leaves_the_readers_cores_alone_by_default(torch_state):
     assert torch.get_num_threads() == 3
 
 
+def test_setup_says_where_the_chapter_runs_on_a_gpu_runtime(torch_state, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Tesla T4")
+    kvlib.book.setup()
+    out = capsys.readouterr().out
+    assert "Tesla T4" in out and "runs on the CPU" in out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    kvlib.book.setup()
+    assert capsys.readouterr().out == ""  # a CPU runtime: nothing printed
+
+
 @pytest.mark.parametrize("kwargs, error", [({"threads": 0}, ValueError), ({"threads": 1.0}, TypeError),
                                            ({"grad": 0}, TypeError), ({"seed": 0.5}, TypeError)])
 def test_setup_rejects_bad_arguments_before_changing_anything(torch_state, kwargs, error):

@@ -36,7 +36,10 @@ def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) 
     ending with it prints nothing.
 
     In IPython (Jupyter, Colab, the book's build) it also registers the ``%%requires``
-    cell magic of `kvlib.book.requires`.
+    cell magic of `kvlib.book.requires`. On a runtime with a CUDA GPU (Colab's T4, say) it
+    prints one line saying that the chapter still runs on the CPU, and how to move kvlib
+    to the GPU: the chapters measure the CPU they run on, and their roofline and AMX cells
+    are about that CPU.
     """
     import torch
 
@@ -56,3 +59,7 @@ def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) 
     from .requires import register_magic
 
     register_magic()
+    if torch.cuda.is_available():
+        print(f"This runtime has a GPU ({torch.cuda.get_device_name(0)}); the chapter runs on the CPU, "
+              "whose numbers it measures. kvlib runs on the GPU as well: "
+              "kvlib.load_smollm2(device='cuda') puts the model there.")
