@@ -172,3 +172,49 @@ def test_chapter_code_uses_no_private_name_of_kvlib(path):
         if cell["cell_type"] == "code":
             uses = private_uses(source(cell), private)
             assert not uses, f"cell {i} reaches private names: {uses}"
+
+
+def quoted_before_glued(cells: list[dict]) -> list[str]:
+    """Glue names a markdown cell quotes before the code cell that glues them: in Jupyter and
+    Colab the reader reads the sentence before its number exists."""
+    glued_at: dict[str, int] = {}
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] == "code":
+            for name in re.findall(r"glue\(\s*[\"']([A-Za-z0-9_]+)[\"']", source(cell)):
+                glued_at.setdefault(name, i)
+    early = []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] == "markdown":
+            for name in re.findall(r"\{glue:(?:text|md|figure|any)?\}`([A-Za-z0-9_]+)", source(cell)):
+                if glued_at.get(name, -1) > i:
+                    early.append(f"cell {i} quotes {name}, glued in cell {glued_at[name]}")
+    return early
+
+
+def test_the_glue_order_check_can_fail():
+    code = {"cell_type": "code", "source": 'glue("a", 1)'}
+    prose = {"cell_type": "markdown", "source": "took {glue:text}`a:.1f` ms"}
+    assert quoted_before_glued([prose, code]) == ["cell 0 quotes a, glued in cell 1"]
+    assert quoted_before_glued([code, prose]) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_number_is_quoted_before_the_cell_that_computes_it(path):
+    early = quoted_before_glued(load(path)["cells"])
+    assert not early, f"quoted before computed: {early}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_chapter_uses_the_readers_cores_and_pins_threads_only_while_timing(path):
+    """setup() leaves torch's thread count alone; a pin lives in `with threads(n):` only, which
+    restores the count (a bare set_num_threads would leave every later cell on it)."""
+    code = "\n".join(source(c) for c in load(path)["cells"] if c["cell_type"] == "code")
+    assert re.search(r"kvlib\.book\.setup\(\)", code), "the set-up line should be kvlib.book.setup()"
+    assert not re.search(r"setup\(threads=", code), "a chapter-wide thread pin"
+    assert "set_num_threads" not in code, "a thread count set by hand is never put back"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_chapter_assumes_two_cores(path):
+    text = "\n".join(source(c) for c in load(path)["cells"])
+    assert not re.search(r"\b(2|two) (CPU )?cores\b", text, re.I), "the reader's machine may have any number"
