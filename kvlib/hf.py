@@ -257,7 +257,7 @@ class HFQuantizedCache(Cache):
             if "backend" in str(e).lower():
                 raise ValueError(
                     f"transformers {transformers.__version__} has no {self.backend!r} QuantizedCache backend "
-                    f"({e}); 'fp8' needs a transformers 5 release that has Fp8QuantizedLayer (5.24 does)"
+                    f"({e}); 'fp8' needs transformers 5.21 or later (Fp8QuantizedLayer first appears in 5.21.0)"
                 ) from e
             raise
 

@@ -1,17 +1,17 @@
 """A cell that needs a newer library than the reader has: it says so and skips itself.
 
 kvlib itself runs at the floors in pyproject.toml (transformers 4.56, for one), but a few
-cells of the book show a feature of a later release, such as chapter 12's HF
-``QuantizedCache("fp8")``. On an older install that cell should not stop the notebook
+cells of the book show a feature of a later release, such as chapter 8's HF
+``QuantizedCache("fp8")`` (transformers 5.21). On an older install that cell should not stop the notebook
 with a traceback from deep inside transformers; it should say what it needs::
 
-    %%requires transformers>=5.0
+    %%requires transformers>=5.21
     hf_cache = transformers.QuantizedCache(...)   # runs only where the version allows
 
 prints, on transformers 4.56,
 
-    Skipped: this cell needs transformers>=5.0 (this runtime has 4.56.0).
-    `pip install -U "transformers>=5.0"`, restart the kernel and run it again.
+    Skipped: this cell needs transformers>=5.21 (this runtime has 4.56.0).
+    `pip install -U "transformers>=5.21"`, restart the kernel and run it again.
 
 and the notebook goes on. Where the versions allow, the cell runs as if the first line
 were not there, and an exception in it is raised as usual (a test still sees it).
