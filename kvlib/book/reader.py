@@ -220,7 +220,8 @@ def _quote(text: str) -> str:
 
 def _fold(cell: dict, title: str) -> None:
     src = "".join(cell["source"])
-    cell["source"] = f"#@title {title}\n{src}"  # a comment outside Colab
+    if not src.startswith("%%"):  # a cell magic must stay the first line
+        cell["source"] = f"#@title {title}\n{src}"  # a comment outside Colab
     cell["metadata"]["cellView"] = "form"  # Colab: show the title, fold the code
     cell["metadata"].setdefault("jupyter", {})["source_hidden"] = True  # JupyterLab, Notebook 7
 
