@@ -33,7 +33,8 @@ def point_buttons(app, pagename: str, templatename: str, context: dict, doctree)
             if button.get("text") == "Colab" and url.endswith(f"/{pagename}.ipynb"):
                 button["url"] = url[: -len(f"{pagename}.ipynb")] + f"{READER}/{name}"
                 button["tooltip"] = "Open the reader edition in Colab"
-            elif button.get("label") == "download-notebook-button":
+            elif button.get("label") == "download-notebook-button" or (
+                    button.get("label") == "download-source-button" and url.endswith(".ipynb")):
                 button["url"] = context["pathto"](f"{READER}/{name}", 1)
                 button["tooltip"] = "Download the notebook (the reader edition, for Jupyter and Colab)"
 
