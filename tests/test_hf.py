@@ -165,7 +165,11 @@ def test_tokenizer_matches_hf(smollm2, hf_smollm2):
     ref = hf_tok.apply_chat_template(with_system, add_generation_prompt=False, tokenize=True)
     ref = ref["input_ids"] if hasattr(ref, "keys") else ref
     assert tok.apply_chat_template(with_system, add_generation_prompt=False) == list(ref)
-    assert (tok.bos_id, tok.eos_id) == (hf_tok.bos_token_id, hf_tok.eos_token_id)
+    hf_special = (hf_tok.bos_token_id, hf_tok.eos_token_id)
+    if hf_special == (1, 1):  # transformers 4.56's GGUF loader (the floors): eos is <|im_start|>, wrongly
+        assert (tok.bos_id, tok.eos_id) == (1, 2)  # kvlib reads the file's own (test_pretrained checks them)
+    else:
+        assert (tok.bos_id, tok.eos_id) == hf_special
 
 
 @pytest.mark.smollm2
