@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import html
 import json
+import posixpath
 import re
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ OPTION = re.compile(r"^:(label|class|name):[^\n]*\n?", re.M)
 MYST_LEFT = re.compile(r"\{[a-z][a-z:\-]*\}`|^(`{3,}|:{3,})\s*\{|^\([^()\s]+\)=\s*$|^:(label|class):", re.M)
 
 REF_LINK = re.compile(
-    r'<a class="reference internal" href="([^"]*)"[^>]*>\s*<span class="(std std-ref|std std-numref|doc)">'
+    r'<a class="reference internal" href="([^"]*)"[^>]*>\s*<span class="(std std-ref|doc)">'
     r"(.*?)</span>", re.S)
 NUMBERED = re.compile(
     r'<(?:figure|div) class="(?:[^"]*\s)?(?:align-\w+|exercise admonition)[^"]*" id="([^"]+)">.*?'
@@ -89,7 +90,8 @@ def site_references(html_dir: Path) -> dict[str, list[str]]:
 
     Targets are labels (``ch5-why-less``, ``fig-ch2-step``, ``ch1-ex1``) and pages
     (``ch09_paging``); hrefs are relative to the site's root. Read from the HTML, so the
-    words and numbers are exactly the website's.
+    words and numbers are exactly the website's: a section's title from the links to it,
+    a figure's or an exercise's number from its own caption.
     """
     refs: dict[str, list[str]] = {}
     for page in sorted(html_dir.rglob("*.html")):
@@ -98,7 +100,7 @@ def site_references(html_dir: Path) -> dict[str, list[str]]:
         for href, kind, shown in REF_LINK.findall(text):
             path, _, frag = href.partition("#")
             target_page = (rel / path).as_posix() if path else page.relative_to(html_dir).as_posix()
-            target_page = _normalise(target_page)
+            target_page = posixpath.normpath(target_page)
             if kind == "doc":
                 refs.setdefault(Path(target_page).stem, [target_page, _plain(shown)])
             elif kind == "std std-ref":  # a section's title
@@ -106,16 +108,6 @@ def site_references(html_dir: Path) -> dict[str, list[str]]:
         for label, number in NUMBERED.findall(text):
             refs.setdefault(label, [f"{page.relative_to(html_dir).as_posix()}#{label}", _plain(number)])
     return refs
-
-
-def _normalise(path: str) -> str:
-    parts: list[str] = []
-    for p in path.split("/"):
-        if p == "..":
-            parts.pop()
-        elif p not in ("", "."):
-            parts.append(p)
-    return "/".join(parts)
 
 
 def bib_citations(bib: str) -> dict[str, str]:
@@ -165,7 +157,7 @@ class _Resolver:
             raise KeyError(f"{self.page}: the build resolved no reference {target!r}; rebuild the book")
         href, shown = self.refs[target]
         path, _, frag = href.partition("#")
-        url = f"#{frag}" if path == self.page and frag else self.site + href.replace(".ipynb", ".html")
+        url = f"#{frag}" if path == self.page and frag else self.site + href
         return f"[{text or shown}]({url})"
 
     def glued(self, body: str) -> str:
@@ -190,8 +182,6 @@ class _Resolver:
             keys = [k.strip() for k in body.split(",")]
             shown = "; ".join(self.cites[k] for k in keys)
             return f"[{shown}]({self.site}book/references.html)"
-        if name in ("math",):
-            return f"${body}$"
         raise ValueError(f"{self.page}: no reader-edition form for the role {{{name}}}")
 
     def prose(self, text: str) -> str:
