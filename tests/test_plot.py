@@ -120,3 +120,26 @@ def test_importing_kvlib_book_imports_no_plotting_or_widgets():
             "print(sorted(m for m in ('matplotlib', 'ipywidgets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_setup_makes_figures_sharp_in_a_notebook():
+    """kvlib.book.setup() in a Jupyter kernel: a figure comes out as a 2x PNG whose stored
+    width is half its pixels, so the notebook and the website show it at its size, sharp on
+    a high-resolution screen. Either order: matplotlib imported before setup() or after."""
+    import base64
+    import struct
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    for first in ("", "import matplotlib.pyplot\n"):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(first + "import kvlib.book\nkvlib.book.setup()"),
+                    nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\n"
+                                              "plt.figure(figsize=(4, 3)); plt.plot([1, 2]); plt.show()")]
+        NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+        (out,) = [o for o in nb.cells[1].outputs if "image/png" in o.get("data", {})]
+        png = base64.b64decode(out["data"]["image/png"])
+        pixels = struct.unpack(">I", png[16:20])[0]  # the IHDR chunk's width
+        shown = out["metadata"]["image/png"]["width"]
+        assert pixels == 2 * shown, f"{pixels} px stored for {shown} px shown ({first or 'setup first'})"

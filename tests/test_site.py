@@ -20,15 +20,16 @@ SHOTS = ROOT / "_build" / "screenshots"
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
-# Console errors logged by the theme itself, not by the project's scripts:
-# sphinx-book-theme declares THEBE_JS_URL twice, and pydata-sphinx-theme complains
-# about an empty theme mode in a browser profile that has never stored one.
-KNOWN_THEME_ERRORS = ("THEBE_JS_URL", "Got invalid theme mode")
+# Console errors tolerated: none. The theme's two (THEBE_JS_URL declared twice, and
+# "Got invalid theme mode" in a browser that never chose one) are mended by kvlib.book.site.
+KNOWN_THEME_ERRORS: tuple[str, ...] = ()
+PHONE = {"width": 390, "height": 844}
+DESKTOP = {"width": 1280, "height": 900}
 
 
 def pages() -> list[str]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    return [toc["root"]] + [c["file"] for c in toc["chapters"]]
+    return [toc["root"]] + [c["file"] for part in toc["parts"] for c in part["chapters"]]
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +107,138 @@ def test_page_renders_offline(server, browser, doc):
         served = SITE / edition
         assert served.is_file() and served.read_bytes() == (ROOT / edition).read_bytes(), f"{served} not copied"
     page.close()
+
+
+def chapter_pages() -> list[str]:
+    return [doc for doc in pages() if (ROOT / f"{doc}.ipynb").is_file()]
+
+
+def visible_chapter_links(page) -> int:
+    """Entries of the site's navigation (the home page, the chapters, the references) that a
+    reader can see, and tap, right now."""
+    return page.evaluate("""() => [...document.querySelectorAll('.bd-docs-nav li.toctree-l1 > a')]
+        .filter(a => { const r = a.getBoundingClientRect(); const s = getComputedStyle(a);
+                       return r.width > 0 && r.height > 0 && s.visibility !== 'hidden'
+                              && r.right > 0 && r.left < innerWidth; }).length""")
+
+
+def open_page(browser, server, doc, viewport):
+    page = browser.new_page(viewport=viewport)
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("response", lambda r: errors.append(f"{r.url} (HTTP {r.status})") if r.status >= 400 else None)
+    page.goto(f"{server}/{doc}.html", wait_until="load")
+    page.wait_for_timeout(300)  # the themes bind their buttons on DOMContentLoaded
+    return page, errors
+
+
+@pytest.mark.parametrize("doc", ["book/intro", "book/ch09_paging"])
+def test_the_phone_menu_opens_and_lists_the_chapters(server, browser, doc):
+    """pydata-sphinx-theme issue #2451: the visible button used to open nothing (js/site.js)."""
+    page, errors = open_page(browser, server, doc, PHONE)
+    assert visible_chapter_links(page) == 0, "the chapter list shows before the menu is opened"
+    buttons = [b for b in page.query_selector_all(".primary-toggle") if b.is_visible()]
+    assert len(buttons) == 1, f"{len(buttons)} visible menu buttons"
+    buttons[0].click()
+    page.wait_for_timeout(500)
+    shown = visible_chapter_links(page)
+    page.screenshot(path=str(SHOTS / f"phone_menu_{doc.replace('/', '_')}.png"))
+    assert shown == len(pages()), f"the opened menu shows {shown} of the book's {len(pages())} pages"
+    page.keyboard.press("Escape")
+    page.wait_for_timeout(300)
+    assert visible_chapter_links(page) == 0, "Escape does not close the menu"
+    assert errors == [], errors
+    page.close()
+
+
+def test_the_phone_contents_button_opens_the_page_contents(server, browser):
+    page, errors = open_page(browser, server, "book/ch09_paging", PHONE)
+    toc = "#pst-page-toc-nav a, .bd-toc-nav a"
+    assert not any(a.is_visible() for a in page.query_selector_all(toc))
+    buttons = [b for b in page.query_selector_all(".secondary-toggle") if b.is_visible()]
+    assert len(buttons) == 1, f"{len(buttons)} visible contents buttons"
+    buttons[0].click()
+    page.wait_for_timeout(500)
+    assert sum(a.is_visible() for a in page.query_selector_all(toc)) >= 3, "no page contents shown"
+    assert errors == [], errors
+    page.close()
+
+
+def test_the_desktop_button_collapses_and_restores_the_sidebar(server, browser):
+    page, errors = open_page(browser, server, "book/ch04_how_big", DESKTOP)
+    before = visible_chapter_links(page)
+    assert before == len(pages()), f"the sidebar shows {before} of the book's {len(pages())} pages"
+    button = [b for b in page.query_selector_all(".primary-toggle") if b.is_visible()]
+    assert len(button) == 1
+    button[0].click()
+    page.wait_for_timeout(600)  # the collapse is animated
+    assert visible_chapter_links(page) == 0, "the sidebar did not collapse"
+    button[0].click()
+    page.wait_for_timeout(600)
+    assert visible_chapter_links(page) == before, "the sidebar did not come back"
+    assert errors == [], errors
+    page.close()
+
+
+def test_no_empty_band_above_the_page(server, browser):
+    """pydata-sphinx-theme 0.17's navbar: an empty 64 px band with a second search box."""
+    page, _ = open_page(browser, server, "book/ch01_naive", DESKTOP)
+    searches = [b for b in page.query_selector_all(".search-button-field, .search-button") if b.is_visible()]
+    assert len(searches) == 1, f"{len(searches)} visible search boxes"
+    top = page.evaluate("document.querySelector('article h1').getBoundingClientRect().top")
+    assert top < 160, f"the title starts {top:.0f} px down the page"
+    page.close()
+
+
+@pytest.mark.parametrize("doc", pages())
+def test_no_page_is_wider_than_a_phone(server, browser, doc):
+    page, _ = open_page(browser, server, doc, PHONE)
+    width = page.evaluate("document.documentElement.scrollWidth")
+    wide = page.evaluate("""() => [...document.querySelectorAll('article *')]
+        .filter(e => e.getBoundingClientRect().right > innerWidth + 1 && !e.closest('pre, .MathJax, mjx-container, .table-wrapper, .output_area, .cell_output'))
+        .slice(0, 3).map(e => e.tagName + '.' + e.className + ' ' + Math.round(e.getBoundingClientRect().right))""")
+    assert width <= PHONE["width"], f"the page is {width} px wide at {PHONE['width']} px: {wide}"
+    page.close()
+
+
+@pytest.mark.parametrize("doc", chapter_pages())
+def test_code_and_printed_output_fit_the_page_on_a_desktop(server, browser, doc):
+    """At 1280 px no code box or printed output scrolls sideways (12 px code, js/site.css)."""
+    page, _ = open_page(browser, server, doc, DESKTOP)
+    over = page.evaluate("""() => [...document.querySelectorAll('div.cell_input pre, div.cell_output pre')]
+        .filter(p => p.scrollWidth > p.clientWidth + 1)
+        .map(p => p.textContent.split('\\n').reduce((a, b) => a.length >= b.length ? a : b))""")
+    assert not over, f"{len(over)} boxes scroll sideways, e.g. {over[0]!r} ({len(over[0])} characters)"
+    page.close()
+
+
+def built(doc: str) -> str:
+    return (SITE / f"{doc}.html").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("doc", pages())
+def test_no_script_twice_and_no_widget_runtime_without_a_widget(doc):
+    html = built(doc)
+    inline = re.findall(r"<script>(.*?)</script>", html, re.S)
+    repeated = sorted({s[:60] for s in inline if inline.count(s) > 1})
+    assert not repeated, f"inline scripts repeated on the page: {repeated}"
+    if "application/vnd.jupyter.widget-view+json" not in html:
+        assert "embed-amd.js" not in html and "widget-state+json" not in html, "the 4.4 MB widget runtime, for no widget"
+
+
+@pytest.mark.parametrize("doc", chapter_pages())
+def test_the_colab_install_cell_is_not_on_the_website(doc):
+    """It is for Colab (the reader edition keeps it); on the website it is noise."""
+    assert "google.colab" not in built(doc)
+    edition = ROOT / "reader" / f"{Path(doc).name}.ipynb"
+    assert "google.colab" in edition.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("doc", chapter_pages())
+def test_the_download_menu_says_what_it_gives(doc):
+    from kvlib.book.site import NOTEBOOK_LABEL, PRINT_LABEL
+
+    html = built(doc)
+    assert NOTEBOOK_LABEL in html and PRINT_LABEL in html
+    assert not re.search(r'btn__text-container">\.(ipynb|pdf)<', html), "a bare .ipynb or .pdf label"

@@ -36,7 +36,8 @@ def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) 
     ending with it prints nothing.
 
     In IPython (Jupyter, Colab, the book's build) it also registers the ``%%requires``
-    cell magic of `kvlib.book.requires`. On a runtime with a CUDA GPU (Colab's T4, say) it
+    cell magic of `kvlib.book.requires`, and draws figures as 2x PNGs ("retina"): shown at
+    their size, sharp on a high-resolution screen, in the notebook and on the website. On a runtime with a CUDA GPU (Colab's T4, say) it
     prints one line saying that the chapter still runs on the CPU, and how to move kvlib
     to the GPU: the chapters measure the CPU they run on, and their roofline and AMX cells
     are about that CPU.
@@ -59,7 +60,25 @@ def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) 
     from .requires import register_magic
 
     register_magic()
+    _sharp_figures()
     if torch.cuda.is_available():
         print(f"This runtime has a GPU ({torch.cuda.get_device_name(0)}); the chapter runs on the CPU, "
               "whose numbers it measures. kvlib runs on the GPU as well: "
               "kvlib.load_smollm2(device='cuda') puts the model there.")
+
+
+def _sharp_figures() -> None:
+    """Inline figures at twice their pixels (IPython's "retina" format), outside IPython nothing."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # plain Python: no inline figures to sharpen
+        return
+    import sys
+
+    shell = get_ipython()
+    if shell is None:
+        return
+    shell.config.InlineBackend.figure_formats = {"retina"}  # read when the inline backend starts
+    inline = sys.modules.get("matplotlib_inline.backend_inline")
+    if inline is not None:  # it started already: matplotlib was imported before setup()
+        inline.set_matplotlib_formats("retina")

@@ -1,11 +1,29 @@
-"""A Sphinx extension of the book's own: the Colab and download buttons open the reader edition.
+"""A Sphinx extension of the book's own: what the theme and myst-nb leave wrong on each page.
 
-sphinx-book-theme points the rocket menu's Colab link at the chapter itself
-(``.../blob/main/book/ch02_prefill_decode.ipynb``) and the download menu's ``.ipynb`` at
-the source Jupyter Book parsed. Both are MyST notebooks, which Jupyter and Colab show as
-raw markup. This extension, listed in ``_config.yml``'s ``extra_extensions``, points both
-at the chapter's reader edition in ``reader/`` (`kvlib.book.reader`), copies the
-editions into the site, and leaves pages without one as they were.
+Listed in ``_config.yml``'s ``extra_extensions``. It mends five things, each at the
+``html-page-context`` event, so no vendored file is patched by hand:
+
+1. **The Colab and download buttons open the reader edition.** sphinx-book-theme points
+   the rocket menu's Colab link at the chapter itself
+   (``.../blob/main/book/ch02_prefill_decode.ipynb``) and the download menu's ``.ipynb``
+   at the source Jupyter Book parsed. Both are MyST notebooks, which Jupyter and Colab show
+   as raw markup. Both now point at the chapter's reader edition in ``reader/``
+   (`kvlib.book.reader`), copied into the site; pages without one stay as they were.
+2. **The download menu says what it gives.** The ``.ipynb`` is a notebook without outputs
+   (to run), and ``.pdf`` opens the browser's print dialog: the labels say so.
+3. **No script twice.** Sphinx 7 replays inline scripts added after the builder started
+   (sphinx-thebe's ``THEBE_JS_URL``, sphinx-togglebutton's selector), and a ``const``
+   declared twice throws on every page. Repeats are dropped, the first kept.
+4. **No widget runtime where no widget shows.** myst-nb loads the 4.4 MB ipywidgets
+   runtime on any page whose notebook stored widget state, even when every widget output
+   is removed (chapter 4's panel, whose place the live explorer takes; chapter 2's
+   progress bars). It is dropped from pages that render no widget view.
+
+5. **A first visit logs no error.** With no ``default_mode`` set, pydata-sphinx-theme
+   stores an empty theme mode for a browser that has never chosen one, then logs
+   "Got invalid theme mode" on every page. The default is "auto" (follow the system).
+
+The sidebar buttons are mended in ``js/site.js`` (pydata-sphinx-theme issue #2451).
 """
 
 from __future__ import annotations
@@ -21,8 +39,22 @@ def _edition(app, pagename: str) -> Path | None:
     return path if path.is_file() else None
 
 
+# The download menu's items, labelled for what they give (sphinx-book-theme says ".ipynb", ".pdf").
+NOTEBOOK_LABEL = ".ipynb (no outputs: run it)"
+PRINT_LABEL = "Print or save as PDF"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
 def point_buttons(app, pagename: str, templatename: str, context: dict, doctree) -> None:
-    """After the theme made its header buttons (priority 501), retarget the two links."""
+    """After the theme made its header buttons (priority 501), retarget and relabel them;
+    and give the theme mode a default (5. in the module docstring)."""
+    if not context.get("default_mode"):
+        context["default_mode"] = "auto"
+    for group in context.get("header_buttons", []):
+        for button in group.get("buttons", []):
+            if button.get("label") == "download-pdf-button":
+                button["text"] = PRINT_LABEL
+                button["tooltip"] = "Opens the browser's print dialog"
     edition = _edition(app, pagename)
     if edition is None:
         return
@@ -36,7 +68,39 @@ def point_buttons(app, pagename: str, templatename: str, context: dict, doctree)
             elif button.get("label") == "download-notebook-button" or (
                     button.get("label") == "download-source-button" and url.endswith(".ipynb")):
                 button["url"] = context["pathto"](f"{READER}/{name}", 1)
-                button["tooltip"] = "Download the notebook (the reader edition, for Jupyter and Colab)"
+                button["text"] = NOTEBOOK_LABEL
+                button["tooltip"] = "The reader edition, for Jupyter and Colab: run it to see the outputs"
+
+
+def _script_key(script) -> tuple:
+    """What makes two ``<script>`` tags the same: the file (``None`` and ``""`` alike for an
+    inline script) and the attributes, the inline body among them."""
+    attrs = getattr(script, "attributes", {}) or {}
+    return (getattr(script, "filename", str(script)) or "", tuple(sorted((k, str(v)) for k, v in attrs.items())))
+
+
+def drop_repeated_scripts(app, pagename: str, templatename: str, context: dict, doctree) -> None:
+    """Keep the first of each script (3. in the module docstring)."""
+    scripts = context.get("script_files")
+    if not scripts:
+        return
+    seen, kept = set(), []
+    for script in scripts:
+        key = _script_key(script)
+        if key not in seen:
+            seen.add(key)
+            kept.append(script)
+    scripts[:] = kept
+
+
+def drop_unused_widget_runtime(app, pagename: str, templatename: str, context: dict, doctree) -> None:
+    """Before myst-nb adds its per-page scripts (priority 500), forget the widget ones if no
+    widget view is on the page (4. in the module docstring)."""
+    meta = getattr(app.env, "nb_metadata", {}).get(pagename, {})
+    js_files = meta.get("js_files", {})
+    if WIDGET_VIEW in context.get("body", "") or not any(k.startswith("ipywidgets") for k in js_files):
+        return
+    meta["js_files"] = {k: v for k, v in js_files.items() if not k.startswith("ipywidgets")}
 
 
 def copy_editions(app, exception) -> None:
@@ -51,6 +115,8 @@ def copy_editions(app, exception) -> None:
 
 
 def setup(app) -> dict:
+    app.connect("html-page-context", drop_unused_widget_runtime, priority=400)
     app.connect("html-page-context", point_buttons, priority=600)
+    app.connect("html-page-context", drop_repeated_scripts, priority=900)
     app.connect("build-finished", copy_editions)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
