@@ -76,6 +76,8 @@ TOY = notebook(
     ("code", "answer = 42", {}),
     ("markdown", "```{solution-end}\n```", {}),
     ("markdown", "After the exercises.", {}),
+    ("markdown", "```{admonition} An aside\n:class: dropdown\nIt took {glue:text}`ms:.0f` ms.\n```", {}),
+    ("code", "side()", {"tags": ["hide-cell"]}),
 )
 
 
@@ -95,8 +97,10 @@ def test_each_myst_form_becomes_what_jupyter_renders():
     assert md[2] == "> **Note**\n>\n> A note with <em>4096</em>."
     assert md[3] == '<a id="ch2-ex1"></a>\n\n> **Exercise 4**\n>\n> Do this.\n>\n> Then that.'
     assert md[4].startswith("**Solution to Exercise 4**") and "<details>" in md[4] and "Because." in md[4]
-    assert md[-1] == "After the exercises."  # the solution ended: not folded, not quoted
-    plot, answer = [c for c in out["cells"] if c["cell_type"] == "code"]
+    assert md[-2] == "After the exercises."  # the solution ended: not folded, not quoted
+    assert md[-1] == "<details><summary>An aside</summary>\n\nIt took <em>12</em> ms.\n\n</details>"
+    plot, answer, aside = [c for c in out["cells"] if c["cell_type"] == "code"]
+    assert aside["metadata"]["cellView"] == "form" and "".join(aside["source"]).startswith("#@title An aside")
     assert plot["metadata"]["cellView"] == "form" and plot["metadata"]["jupyter"]["source_hidden"]
     assert answer["metadata"]["cellView"] == "form" and "".join(answer["source"]).startswith(
         "#@title Solution to Exercise 4 (code)\n")

@@ -195,6 +195,8 @@ class _Resolver:
         body = OPTION.sub("", body).strip("\n")
         if name == "note":
             return "> **Note**\n>\n" + _quote(self.prose(body))
+        if name == "admonition":  # an aside: folded under its title, as the site's dropdown
+            return f"<details><summary>{arg.strip()}</summary>\n\n{self.prose(body)}\n\n</details>"
         if name == "exercise-start":  # markers: `edition` quotes what lies between them
             return f"\x00exercise {options['label']}\x00"
         if name == "solution-start":
@@ -256,6 +258,8 @@ def edition(chapter: dict, page: str, resolved: dict, site: str) -> dict:
             _fold(cell, f"Solution to {inside[1]} (code)")
         elif "hide-input" in cell.get("metadata", {}).get("tags", []):
             _fold(cell, "Plotting code (run it to draw the figure)")
+        elif "hide-cell" in cell.get("metadata", {}).get("tags", []):
+            _fold(cell, "An aside (run it to see it)")
         cells.append(cell)
         figure = cell.get("metadata", {}).get("mystnb", {}).get("figure")
         if figure and figure.get("name") in r.refs:
