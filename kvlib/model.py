@@ -7,6 +7,12 @@ cache holds", so the three cases share every line below.
 
 Blocks are pre-norm: RMSNorm -> attention (RoPE on q and k, GQA via
 ``n_kv_head``) -> residual, RMSNorm -> SwiGLU MLP -> residual.
+
+The parts are public, so that a reader can wire a layer by hand and compare it with the
+model's own (chapter 2 does): `Transformer` has ``embed``, ``layers``, ``norm`` and
+``lm_head``; each `Block` has ``attn_norm``, ``attn``, ``mlp_norm`` and ``mlp``; each
+`Attention` has ``wqkv``, ``wo`` and ``layer``; `rope_cos_sin` and `apply_rope` rotate.
+Their docstrings give the shapes.
 """
 
 from __future__ import annotations
@@ -90,6 +96,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """One layer's grouped-query self-attention, with RoPE and the cache call.
+
+    ``attn(x, cos, sin, cache, mask)``: ``x`` ``(B, T, d_model)`` (already normalised by the
+    block's ``attn_norm``), ``cos``/``sin`` ``(B, T, 1, head_dim)`` from `rope_cos_sin`,
+    ``mask`` as `attend` takes it; returns ``(B, T, d_model)``. Its parts, for wiring by hand
+    (``H = n_head``, ``H_kv = n_kv_head``, ``D = head_dim``):
+
+    - ``wqkv``: a `Linear`, weight ``(d_model, (H + 2 * H_kv) * D)``. Its output viewed as
+      ``(B, T, H + 2 * H_kv, D)`` holds the H query heads, then the H_kv key heads, then
+      the H_kv value heads: ``[q | k | v]``.
+    - ``wo``: a `Linear`, weight ``(H * D, d_model)``, applied to the heads concatenated.
+    - ``layer``: this layer's index, the ``layer_idx`` it passes to ``cache.update``.
+    - ``n_head``, ``n_kv_head``, ``head_dim``: H, H_kv and D.
+    - ``impl``: the attention kernel, set by `Transformer.set_attention_impl`.
+
+    (`kvlib.wquant.quantize_weights` replaces ``wqkv`` and ``wo`` by quantized layers of the
+    same shapes.)
+    """
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -124,6 +149,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU: ``w_down(silu(gate) * up)``, with ``gate`` and ``up`` the two halves of ``w_gate_up(x)``.
+
+    Its parts: ``w_gate_up``, a `Linear` with weight ``(d_model, 2 * d_ff)`` (columns
+    ``[gate | up]``), and ``w_down``, a `Linear` with weight ``(d_ff, d_model)``.
+    """
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w_gate_up = Linear(cfg.d_model, 2 * cfg.d_ff)  # columns [gate | up]
@@ -135,6 +166,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """One pre-norm decoder block: ``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``.
+
+    ``block(x, cos, sin, cache, mask)`` maps ``(B, T, d_model)`` to ``(B, T, d_model)``, with
+    the arguments `Attention` takes. Its parts: ``attn_norm`` and ``mlp_norm`` (`RMSNorm`
+    over ``d_model``), ``attn`` (`Attention`) and ``mlp`` (`MLP`).
+    """
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -148,7 +186,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A Llama-family decoder built from a `ModelConfig`."""
+    """A Llama-family decoder built from a `ModelConfig`.
+
+    Its parts, for wiring a forward by hand: ``embed(tokens)`` (ids ``(B, T)`` to
+    ``(B, T, d_model)``), ``layers`` (the `Block` list, ``n_layer`` long), ``norm`` (the
+    final `RMSNorm`) and ``lm_head`` (a `Linear`, weight ``(d_model, vocab_size)``; with
+    tied embeddings it is also the embedding table, and ``tok_emb`` is None).
+    """
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()

@@ -226,3 +226,38 @@ def test_is_causal_true_in_a_decode_step_is_wrong():
         model(tokens[:, :7], cache)
         wrong = model(tokens[:, 7:], cache)[:, -1]
     assert (wrong - full).abs().max() > 1e-2
+
+
+def test_the_documented_parts_wire_a_decode_step_by_hand():
+    """The parts the docstrings name (embed, layers, attn_norm, attn.wqkv/wo/layer, mlp_norm, mlp,
+    norm, lm_head) have the documented shapes and, wired by hand, give the model's decode step."""
+    from kvlib.attention import attend
+    from kvlib.model import apply_rope, rope_cos_sin
+
+    model = tiny(n_layer=2, n_head=4, n_kv_head=2, head_dim=8)
+    cfg = model.config
+    H, H_kv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    assert len(model.layers) == cfg.n_layer
+    assert model.lm_head.weight.shape == (cfg.d_model, cfg.vocab_size)
+    ids = torch.randint(0, cfg.vocab_size, (1, 7))
+    ours, theirs = StaticCache.for_model(cfg, 1, 8), StaticCache.for_model(cfg, 1, 8)
+    model(ids[:, :6], ours)
+    model(ids[:, :6], theirs)
+    new = ids[:, 6:]
+    positions, mask = ours.positions(new), ours.mask(new)  # asked once, before any update
+    cos, sin = rope_cos_sin(positions, D, cfg.rope_base)
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    x = model.embed(new)
+    for i, block in enumerate(model.layers):
+        attn = block.attn
+        assert attn.layer == i and (attn.n_head, attn.n_kv_head, attn.head_dim) == (H, H_kv, D)
+        assert attn.wqkv.weight.shape == (cfg.d_model, (H + 2 * H_kv) * D)
+        assert attn.wo.weight.shape == (H * D, cfg.d_model)
+        qkv = attn.wqkv(block.attn_norm(x)).view(1, 1, H + 2 * H_kv, D)  # [q | k | v]
+        q, k, v = qkv.split([H, H_kv, H_kv], dim=2)
+        q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+        k, v = ours.update(k, v.transpose(1, 2), attn.layer)
+        y = attend(q, k, v, mask).transpose(1, 2).reshape(1, 1, H * D)
+        x = x + attn.wo(y)
+        x = x + block.mlp(block.mlp_norm(x))
+    torch.testing.assert_close(model.lm_head(model.norm(x)), model(new, theirs), **TOL)

@@ -105,39 +105,49 @@ def attention_rows(prompt_len: int = 6) -> Figure:
 def attention_wiring() -> Figure:
     """One attention layer during decode, and where the cache enters it.
 
-    The new tokens' positions start at the cache's length, so RoPE rotates the new query and key
-    as if the whole sequence had been run again. ``cache.update`` sits inside the layer: it
-    stores the rotated key and the value, and returns every key and value so far. The mask has
-    one row per new query and one column per cached-plus-new key; kvlib's caches return None,
-    "causal, offset by past", unless padding needs an explicit one.
+    The projection makes the new tokens' q, k and v. RoPE rotates q and k only, at positions
+    that start at the cache's length (``past = cache.get_seq_length()``), so the new query and
+    key are rotated as if the whole sequence had been run again; v is never rotated.
+    ``cache.update`` sits inside the layer: it stores the rotated key and the value, and returns
+    every key and value so far. The mask is the cache's answer too: one row per new query and
+    one column per cached-plus-new key, or None, "causal, offset by past", for a plain cache.
     """
-    fig, ax = plt.subplots(figsize=(10.0, 5.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(10.0, 6.6), layout="constrained")
     blue, red, grey = COLORS["cached"], COLORS["naive"], COLORS["reference"]
     pale = "#DCEBF5"
-    _box(ax, 1.8, 6.0, 3.0, 0.8, "x  (B, T, d)\nthe new tokens' hidden states", size=8)
-    _box(ax, 1.8, 4.6, 3.0, 0.8, "q, k, v = W_q·x, W_k·x, W_v·x", size=8)
-    _box(ax, 1.8, 3.1, 3.0, 0.9, "RoPE(q, k) at positions\npast, past+1, …, past+T−1", size=8)
-    _box(ax, 6.0, 3.1, 3.6, 0.9, "k, v = cache.update(k, v, layer_idx)\nnow (B, H_kv, past+T, D)", size=8,
+    _box(ax, 4.6, 7.1, 3.4, 0.75, "x  (B, T, d)\nthe new tokens' hidden states", size=8)
+    _box(ax, 4.6, 5.8, 3.4, 0.7, "q, k, v = W_q·x, W_k·x, W_v·x", size=8)
+    _box(ax, 1.9, 4.2, 3.0, 0.9, "RoPE(q, k): rotate q and k\n(never v) by position", size=8)
+    _box(ax, 7.4, 4.2, 3.8, 0.9, "k, v = cache.update(k, v, layer_idx)\nnow (B, H_kv, past+T, D)", size=8,
          color=pale)
-    _box(ax, 10.4, 5.7, 2.8, 1.0, "the cache\nper layer: K and V\n(B, H_kv, S, D)", size=8, color=pale)
-    _box(ax, 10.4, 3.1, 2.8, 0.9, "mask = cache.mask(tokens)\n(B, 1, T, past+T) or None", size=8)
-    _box(ax, 6.0, 1.5, 3.6, 0.8, "softmax(q·kᵀ/√D + mask)·v", size=8)
-    _box(ax, 6.0, 0.2, 3.6, 0.7, "y = W_o · (heads concatenated)", size=8)
-    _arrow(ax, (1.8, 5.6), (1.8, 5.0))
-    _arrow(ax, (1.8, 4.2), (1.8, 3.55))
-    _arrow(ax, (3.3, 3.1), (4.2, 3.1), color=red)
-    ax.text(3.35, 3.3, "new k, v", fontsize=8, color=red)
-    _arrow(ax, (7.3, 3.55), (9.0, 5.35), color=blue)
-    ax.text(8.3, 4.15, "append", fontsize=8, color=blue)
-    _arrow(ax, (9.0, 5.9), (6.6, 3.55), color=blue)
-    ax.text(6.6, 4.9, "every k, v so far", fontsize=8, color=blue, ha="right")
-    _arrow(ax, (6.0, 2.65), (6.0, 1.9))
-    _arrow(ax, (10.4, 2.65), (7.8, 1.6), color=grey)
-    _arrow(ax, (1.8, 2.65), (4.2, 1.6))
-    ax.text(2.2, 2.0, "q (rotated)", fontsize=8)
-    _arrow(ax, (6.0, 1.1), (6.0, 0.55))
-    ax.text(10.4, 4.05, "past = cache.get_seq_length()", ha="center", fontsize=8, color=grey)
-    _blank(ax, (0.1, 12.0), (-0.3, 6.7))
+    _box(ax, 11.35, 4.2, 2.5, 1.2, "the cache\nper layer: K and V\n(B, H_kv, S, D)", size=8, color=pale)
+    _box(ax, 10.2, 2.3, 3.2, 0.9, "mask = cache.mask(tokens)\n(B, 1, T, past+T) or None", size=8)
+    _box(ax, 4.6, 2.3, 3.6, 0.8, "softmax(q·kᵀ/√D + mask)·v", size=8)
+    _box(ax, 4.6, 0.9, 3.6, 0.7, "y = W_o · (heads concatenated)", size=8)
+    _arrow(ax, (4.6, 6.72), (4.6, 6.15))
+    _arrow(ax, (3.6, 5.45), (2.6, 4.65))  # q and k go through RoPE
+    ax.text(3.0, 5.15, "q, k", fontsize=8, ha="right")
+    _arrow(ax, (5.6, 5.45), (6.6, 4.65), color=red)  # v goes around it
+    ax.text(6.25, 5.15, "v (not rotated)", fontsize=8, color=red)
+    _arrow(ax, (3.4, 4.2), (5.5, 4.2), color=red)
+    ax.text(4.45, 4.3, "k (rotated)", fontsize=8, color=red, ha="center", va="bottom")
+    _arrow(ax, (9.3, 4.4), (10.1, 4.4), color=blue)
+    ax.text(9.7, 4.5, "append", fontsize=8, color=blue, ha="center", va="bottom")
+    _arrow(ax, (10.1, 4.0), (9.3, 4.0), color=blue)
+    ax.text(9.7, 3.9, "all k, v", fontsize=8, color=blue, ha="center", va="top")
+    _arrow(ax, (2.2, 3.75), (3.4, 2.7))
+    ax.text(2.6, 3.1, "q (rotated)", fontsize=8, ha="right")
+    _arrow(ax, (6.8, 3.75), (5.8, 2.7), color=blue)
+    ax.text(6.5, 3.1, "every k, v so far", fontsize=8, color=blue)
+    _arrow(ax, (11.35, 3.6), (10.8, 2.75), color=grey)  # the cache answers the mask
+    _arrow(ax, (8.6, 2.3), (6.4, 2.3), color=grey)
+    _arrow(ax, (4.6, 1.9), (4.6, 1.25))
+    # the cache's length sets the positions RoPE rotates by: up, across the top, down
+    ax.plot([11.35, 11.35, 1.0, 1.0], [4.8, 8.0, 8.0, 5.2], color=grey, lw=1.0)
+    _arrow(ax, (1.0, 5.2), (1.0, 4.65), color=grey, shrinkA=0)
+    ax.text(6.2, 8.1, "positions: past, past+1, …, past+T−1,  where past = cache.get_seq_length()",
+            ha="center", va="bottom", fontsize=8, color=grey)
+    _blank(ax, (0.1, 12.8), (0.3, 8.6))
     return fig
 
 
