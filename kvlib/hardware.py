@@ -211,6 +211,19 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+# -- what a tuned decode loop attains of a spec sheet ----------------------------------------------
+# One measured reference, not a law: the benchmark table of gpt-fast's README (PyTorch team, 2023,
+# https://github.com/pytorch-labs/gpt-fast), Llama-2-7B at batch 1 with a 5-token prompt, compiled
+# with torch.compile, on an A100-80GB power-limited to 330 W. Weights' dtype -> (tokens/s, bytes/s
+# of weights read). Over HARDWARE["a100"].mem_bandwidth that is 69% of the spec in 16 bits, 52% with
+# int8 weights and 42% with int4 weights (groups of 32): dequantizing costs the kernels time.
+GPT_FAST_A100: dict[str, tuple[float, float]] = {
+    "bf16": (104.9, 1397.31e9),
+    "int8": (155.58, 1069.20e9),
+    "int4": (196.80, 862.69e9),
+}
+
+
 # -- measuring the machine you are on -------------------------------------------------------------
 def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
     """Fastest of ``repeats`` timed calls after one warm-up: noise only ever adds time."""

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from kvlib import PRESETS, Transformer, cost, memory
-from kvlib.hardware import HARDWARE, Hardware, StepTime, fast_dtype, fastest, measure, step_time
+from kvlib.hardware import (
+    GPT_FAST_A100, HARDWARE, Hardware, StepTime, fast_dtype, fastest, measure, step_time,
+)
 
 SMALL = [
     PRESETS["tiny"],  # MHA, untied embeddings
@@ -248,3 +250,15 @@ def test_one_default_width_across_memory_cost_and_hardware():
     assert cost.step_bytes(c, 1, 100)["kv_read"] == memory.kv_cache_bytes(c, 100)
     with pytest.raises(TypeError):
         measure(c)  # no dtype: which one runs fast differs by machine
+
+
+def test_gpt_fast_reference_is_a_share_of_the_a100_spec_that_falls_with_the_bits():
+    """The README's bandwidths over the A100's spec: 69%, 52%, 42%; and in 16 bits the bytes
+    per token it implies are Llama-2-7B's own (tokens/s x bytes per step = bytes/s)."""
+    spec = HARDWARE["a100"].mem_bandwidth
+    share = {k: bw / spec for k, (_, bw) in GPT_FAST_A100.items()}
+    assert [round(100 * share[k]) for k in ("bf16", "int8", "int4")] == [69, 52, 42]
+    tps, bw = GPT_FAST_A100["bf16"]
+    step = cost.step_bytes(PRESETS["llama-2-7b"], 1, 5, dtype="bf16")["total"]
+    assert bw / tps == pytest.approx(step, rel=0.02)
+    assert all(tps > 0 and 0 < bw < spec for tps, bw in GPT_FAST_A100.values())
