@@ -5,6 +5,10 @@
 // build time from kvlib's own presets and tables. This file holds only the few
 // formulas, and each one names the kvlib function it mirrors; the browser test
 // (tests/test_explorers.py) checks them against kvlib on a grid of settings.
+//
+// Pictures are SVG drawn at the width of their box (and redrawn when it changes), in
+// the theme's colours (currentColor and the theme's CSS variables), so they fit a
+// phone and read in dark mode as in light.
 (function () {
   "use strict";
 
@@ -26,6 +30,12 @@
   function paramCount(m) {
     const norms = (2 * m.n_layer + 1) * m.d_model;
     return matrixParams(m, true) + norms + (m.tie_embeddings ? 0 : m.vocab_size * m.d_model);
+  }
+  // kvlib.memory.weight_bytes + kvlib.memory.kv_cache_bytes: what must sit in the GPU's
+  // memory for `batch` sequences of `context` tokens, weights and cache at one width
+  function memoryBytes(m, batch, context, width) {
+    const weights = m.param_count * width, cache = kvCacheBytes(m, context, batch, width);
+    return { weights: weights, cache: cache, total: weights + cache };
   }
   // kvlib.cost.step_bytes and kvlib.cost.step_flops, for one decode step (new_tokens = 1)
   function stepBytes(m, batch, context, width) {
@@ -56,13 +66,33 @@
              kv: b.kv_read + b.kv_write, intensity: flops / bytes, ridge: peak / bw };
   }
 
-  // -- small helpers -------------------------------------------------------------------------------
-  function size(n) {  // as kvlib.book.explorer._size: binary units
+  // -- numbers as text -----------------------------------------------------------------------------
+  // Thousands separators everywhere, as the chapters print numbers: 4,096 tokens.
+  function sep(x, digits) {
+    return x.toLocaleString("en", { maximumFractionDigits: digits || 0,
+                                    minimumFractionDigits: digits || 0 });
+  }
+  function size(n) {  // as kvlib.book.explorer._size: binary units (chapter 4 counts in GiB)
     const units = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
-    for (const [unit, scale] of units) if (n >= scale) return (n / scale).toFixed(2) + " " + unit;
-    return n.toFixed(0) + " B";
+    for (const [unit, scale] of units) if (n >= scale) return sep(n / scale, 2) + " " + unit;
+    return sep(n) + " B";
+  }
+  function gb(n) {  // decimal gigabytes, the unit of spec sheets and of chapter 5
+    const x = n / 1e9;
+    return sep(x, x < 10 ? 2 : x < 100 ? 1 : 0) + " GB";
   }
   function sig3(x) { return Number(x.toPrecision(3)); }
+  function sig3text(x) {  // 3 significant figures, with separators: 34,900 or 4.64
+    const v = sig3(x), digits = Math.max(0, 2 - Math.floor(Math.log10(Math.abs(v))));
+    return v.toLocaleString("en", { maximumFractionDigits: digits });
+  }
+  function rateText(bw) {  // a bandwidth: 3.35 TB/s, 320 GB/s
+    return bw >= 1e12 ? sig3text(bw / 1e12) + " TB/s" : sig3text(bw / 1e9) + " GB/s";
+  }
+  function count(n, word) { return sep(n) + " " + word + (n === 1 ? "" : "s"); }
+  function pct(x) { return (100 * x).toFixed(1) + "%"; }
+
+  // -- page elements -------------------------------------------------------------------------------
   function el(tag, attrs, text) {
     const e = document.createElement(tag);
     for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
@@ -92,67 +122,147 @@
     return o;
   }
   function show(o, value, text) { o.dataset.value = String(value); o.textContent = text; }
-  function bars(items, max, label) {  // horizontal bars as SVG, with a text equivalent
-    const w = 520, left = 120, row = 26, h = row * items.length + 6;
-    const svg = ['<svg xmlns="http://www.w3.org/2000/svg" width="' + w + '" height="' + h +
-                 '" role="img" aria-label="' + label + '">'];
-    items.forEach(([name, v, color, text], i) => {
-      const y = 4 + i * row, len = max > 0 ? (w - left - 90) * v / max : 0;
-      svg.push('<text x="' + (left - 6) + '" y="' + (y + 15) + '" text-anchor="end" font-size="12">' +
-               name + "</text>");
-      svg.push('<rect x="' + left + '" y="' + y + '" width="' + len.toFixed(1) +
+  function note(box, text) { const p = el("p", { class: "kv-note" }, text); box.append(p); return p; }
+  function figure(box, title) {  // a titled figure whose picture is redrawn at its width
+    const f = el("figure", { class: "kv-figure" });
+    const cap = el("figcaption", { class: "kv-figtitle" }, title);
+    const pic = el("div", { class: "kv-picture" });
+    f.append(cap, pic);
+    box.append(f);
+    return { title: cap, picture: pic, width: () => Math.max(240, Math.min(pic.clientWidth || 520, 640)) };
+  }
+  function esc(s) { return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/"/g, "&quot;"); }
+
+  // -- pictures ------------------------------------------------------------------------------------
+  // Colours of the data (Okabe-Ito, legible on light and dark pages); text and axes
+  // are currentColor, the theme's text colour (see explorers.css).
+  const BLUE = "#0072B2", RED = "#D55E00", GREY = "#8C8C8C", GREEN = "#009E73", ORANGE = "#E69F00";
+  function svgOpen(w, h, label) {
+    return '<svg xmlns="http://www.w3.org/2000/svg" class="kv-svg" width="' + w + '" height="' + h +
+      '" viewBox="0 0 ' + w + " " + h + '" role="img" aria-label="' + esc(label) + '">';
+  }
+  function text(x, y, s, extra) {
+    return '<text x="' + x.toFixed(1) + '" y="' + y.toFixed(1) + '" fill="currentColor" ' +
+      (extra || "") + ">" + esc(s) + "</text>";
+  }
+  // Horizontal bars on one scale. items: [name, value, colour, value as text]; a value
+  // above `max` is drawn to the edge and marked with an arrow.
+  function bars(w, items, max, label) {
+    const row = 26, h = row * items.length + 6;
+    const longest = Math.max(...items.map(it => it[0].length));
+    const left = Math.min(Math.round(7 * longest) + 12, Math.round(0.45 * w));
+    const valueRoom = 78, span = Math.max(20, w - left - valueRoom);
+    const svg = [svgOpen(w, h, label)];
+    items.forEach(([name, v, color, valueText], i) => {
+      const y = 4 + i * row, len = max > 0 ? span * Math.min(v, max) / max : 0;
+      svg.push(text(left - 6, y + 14, name, 'text-anchor="end" font-size="12"'));
+      svg.push('<rect class="kv-bar" x="' + left + '" y="' + y + '" width="' + len.toFixed(1) +
                '" height="18" fill="' + color + '"/>');
-      svg.push('<text x="' + (left + len + 6).toFixed(1) + '" y="' + (y + 15) + '" font-size="12">' +
-               text + "</text>");
+      svg.push(text(left + len + 5, y + 14, valueText + (v > max ? " →" : ""), 'font-size="12"'));
     });
     return svg.join("") + "</svg>";
   }
-  const BLUE = "#0072B2", RED = "#D55E00", GREY = "#7F7F7F", GREEN = "#009E73";
-  function roofline(t, peak, bw, label) {  // log-log: FLOP/s = min(peak, intensity x bandwidth)
-    const w = 360, h = 200, pad = 36, lo = -1, hi = 4;  // intensity 0.1 ... 10^4 FLOPs/byte
-    const yHi = Math.log10(peak) + 0.3, yLo = yHi - 5;
-    const X = i => pad + (w - pad - 8) * (Math.log10(i) - lo) / (hi - lo);
-    const Y = f => h - pad + (pad + 8 - h) * (Math.log10(f) - yLo) / (yHi - yLo);
-    const roof = [];
-    for (let e = lo; e <= hi + 1e-9; e += 0.05) {
-      const i = 10 ** e;
-      roof.push(X(i).toFixed(1) + "," + Y(Math.min(peak, i * bw)).toFixed(1));
+  function tickText(v) {  // a power of ten, plainly: 0.01, 1, 1,000
+    return v >= 1 ? sep(v) : String(Number(v.toPrecision(1)));
+  }
+  // The roofline, log-log: attainable FLOP/s = min(peak, intensity × bandwidth), with the
+  // ridge where the two roofs meet and the step as a dot on the roof.
+  function roofline(w, t, peak, bw, label) {
+    const h = 230, left = 52, right = 10, top = 10, bottom = 40;
+    const xLo = -1, xHi = 4;  // 0.1 ... 10,000 FLOPs per byte
+    const yHi = Math.ceil(Math.log10(peak / 1e12) + 0.2), yLo = yHi - 5;  // TFLOP/s decades
+    const X = i => left + (w - left - right) * (Math.log10(i) - xLo) / (xHi - xLo);
+    const Y = f => top + (h - top - bottom) * (yHi - Math.log10(f / 1e12)) / (yHi - yLo);
+    const roofAt = i => Math.min(peak, i * bw);
+    const svg = [svgOpen(w, h, label)];
+    for (let e = xLo; e <= xHi; e++) {  // x ticks: every decade
+      const x = X(10 ** e);
+      svg.push('<line class="kv-grid" x1="' + x.toFixed(1) + '" x2="' + x.toFixed(1) + '" y1="' + top +
+               '" y2="' + (h - bottom) + '"/>');
+      svg.push('<line class="kv-axis" stroke="currentColor" x1="' + x.toFixed(1) + '" x2="' +
+               x.toFixed(1) + '" y1="' + (h - bottom) + '" y2="' + (h - bottom + 4) + '"/>');
+      svg.push(text(x, h - bottom + 15, tickText(10 ** e), 'class="kv-xtick" text-anchor="middle" font-size="11"'));
     }
-    const px = X(Math.min(Math.max(t.intensity, 10 ** lo), 10 ** hi));
-    const py = Y(Math.min(peak, t.intensity * bw));
-    return '<svg xmlns="http://www.w3.org/2000/svg" width="' + w + '" height="' + h +
-      '" role="img" aria-label="' + label + '">' +
-      '<path d="M' + pad + ' 8 V' + (h - pad) + ' H' + (w - 8) + '" fill="none" stroke="#333"/>' +
-      '<polyline fill="none" stroke="' + GREY + '" stroke-width="2" points="' + roof.join(" ") + '"/>' +
-      '<circle cx="' + px.toFixed(1) + '" cy="' + py.toFixed(1) + '" r="5" fill="' + RED + '"/>' +
-      '<text x="' + (w / 2) + '" y="' + (h - 6) + '" text-anchor="middle" font-size="11">' +
-      "FLOPs per byte (log scale)</text>" +
-      '<text x="10" y="' + (h / 2) + '" font-size="11" transform="rotate(-90 10 ' + (h / 2) +
-      ')" text-anchor="middle">FLOP/s (log)</text></svg>';
+    for (let e = yLo; e <= yHi; e++) {  // y ticks: every decade of TFLOP/s
+      const y = Y(10 ** e * 1e12);
+      svg.push('<line class="kv-grid" x1="' + left + '" x2="' + (w - right) + '" y1="' + y.toFixed(1) +
+               '" y2="' + y.toFixed(1) + '"/>');
+      svg.push('<line class="kv-axis" stroke="currentColor" x1="' + (left - 4) + '" x2="' + left +
+               '" y1="' + y.toFixed(1) + '" y2="' + y.toFixed(1) + '"/>');
+      svg.push(text(left - 6, y + 4, tickText(10 ** e), 'class="kv-ytick" text-anchor="end" font-size="11"'));
+    }
+    svg.push('<path class="kv-axis" d="M' + left + " " + top + " V" + (h - bottom) + " H" + (w - right) +
+             '" fill="none" stroke="currentColor"/>');
+    const roof = [];
+    for (let e = xLo; e <= xHi + 1e-9; e += 0.05) {
+      const i = 10 ** e;
+      roof.push(X(i).toFixed(1) + "," + Y(roofAt(i)).toFixed(1));
+    }
+    svg.push('<polyline class="kv-roof" fill="none" stroke="' + BLUE + '" stroke-width="2.5" points="' +
+             roof.join(" ") + '"/>');
+    const rx = X(t.ridge), ry = Y(peak);  // the ridge: a dashed line down from the corner
+    svg.push('<line class="kv-ridge" x1="' + rx.toFixed(1) + '" x2="' + rx.toFixed(1) + '" y1="' +
+             ry.toFixed(1) + '" y2="' + (h - bottom) + '" stroke-dasharray="4 3"/>');
+    const onLeft = rx > left + 0.55 * (w - left - right);
+    svg.push(text(rx + (onLeft ? -5 : 5), h - bottom - 6, "ridge " + sig3text(t.ridge),
+                  'class="kv-ridge-label" font-size="11" text-anchor="' + (onLeft ? "end" : "start") + '"'));
+    const i = Math.min(Math.max(t.intensity, 10 ** xLo), 10 ** xHi);
+    svg.push('<circle cx="' + X(i).toFixed(1) + '" cy="' + Y(roofAt(i)).toFixed(1) + '" r="5.5" fill="' +
+             RED + '" stroke="white" stroke-width="1"/>');
+    svg.push(text(left + (w - left - right) / 2, h - 6, "FLOPs per byte (log scale)",
+                  'text-anchor="middle" font-size="11"'));
+    svg.push(text(12, top + (h - top - bottom) / 2, "TFLOP/s (log)",
+                  'font-size="11" text-anchor="middle" transform="rotate(-90 12 ' +
+                  (top + (h - top - bottom) / 2) + ')"'));
+    return svg.join("") + "</svg>";
+  }
+  function legend(items) {  // [[kind, colour, text]]: kind "line", "dot" or "dash"
+    const p = el("p", { class: "kv-legend" });
+    for (const [kind, color, label] of items) {
+      const span = el("span", { class: "kv-key" });
+      const mark = kind === "dot"
+        ? '<circle cx="9" cy="6" r="5" fill="' + color + '"/>'
+        : '<line x1="0" x2="18" y1="6" y2="6" stroke="' + color + '" stroke-width="2.5"' +
+          (kind === "dash" ? ' stroke-dasharray="4 3" class="kv-ridge"' : "") + "/>";
+      span.innerHTML = '<svg width="18" height="12" aria-hidden="true">' + mark + "</svg>";
+      span.append(" " + label);
+      p.append(span);
+    }
+    return p;
+  }
+  // Redraw a box's pictures when its width changes (a phone turned, a sidebar opened).
+  function onResize(box, draw) {
+    if (typeof ResizeObserver === "undefined") return;
+    let last = box.clientWidth;
+    new ResizeObserver(() => {
+      if (box.clientWidth !== last) { last = box.clientWidth; draw(); }
+    }).observe(box);
   }
 
   // -- the three explorers -------------------------------------------------------------------------
+  const BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+
   function cacheExplorer(box, data) {  // mirrors kvlib.book.explorer.cache_report
     const form = el("form", { class: "kv-controls" });
     const models = Object.entries(data.models).map(([k, m]) => [k, m.name]);
     const model = control(form, "model", models, "llama-2-7b");
     const dtype = control(form, "cache dtype", Object.keys(data.dtype_bytes).map(k => [k, k]), "fp16");
-    const batch = control(form, "batch", [1, 2, 4, 8, 16, 32, 64, 128, 256].map(b => [b, b]), 8);
-    const ctx = control(form, "context", data.contexts.map(c => [c, c.toLocaleString("en")]), 4096);
-    const heads = control(form, "KV heads", [], 0);
-    const gpu = control(form, "GPU memory", data.gpus_gib.map(g => [g, g + " GiB"]), 80);
+    const batch = control(form, "batch (sequences)", BATCHES.map(b => [b, sep(b)]), 8);
+    const ctx = control(form, "context (tokens per sequence)", data.contexts.map(c => [c, sep(c)]), 4096);
+    const heads = control(form, "KV heads per layer", [], 0);
+    const gpu = control(form, "GPU memory (GiB)", data.gpus_gib.map(g => [g, sep(g)]), 80);
     const out = el("div", { class: "kv-outputs" });
+    note(out, "The cache is stored in the cache dtype; the weights stay in fp16.");
     const formula = el("p", { "data-name": "formula" });
     out.append(formula);
     const cache = output(out, "cache_bytes", "KV cache");
     const weights = output(out, "weight_bytes", "weights (fp16)");
     const fits = output(out, "fits", "weights + cache");
-    const figure = el("div", { class: "kv-figure" });
-    out.append(figure);
+    const fig = figure(out, "Memory: the weights and the KV cache against the GPU");
     box.append(form, out);
     function refillHeads() {
       const m = data.models[model.value];
-      setOptions(heads, m.kv_heads.map(h => [h, h]), m.n_kv_head);
+      setOptions(heads, m.kv_heads.map(h => [h, sep(h)]), m.n_kv_head);
     }
     function refresh() {
       const m = Object.assign({}, data.models[model.value], { n_kv_head: Number(heads.value) });
@@ -160,21 +270,23 @@
       const c = kvCacheBytes(m, s, b, width);
       const w = paramCount(m) * data.dtype_bytes.fp16;  // cache_report's weight_dtype="fp16"
       const g = Number(gpu.value) * data.gib;
-      formula.textContent = "2 × " + m.n_layer + " layers × " + b + " sequences × " + m.n_kv_head +
-        " KV heads × " + s + " tokens × " + m.head_dim + " dims × " + width + " bytes";
-      show(cache, c, size(c) + " (" + c.toLocaleString("en") + " bytes), " +
-           (c / w).toFixed(2) + "× the weights");
+      formula.textContent = "2 (K and V) × " + count(m.n_layer, "layer") + " × " + count(b, "sequence") +
+        " × " + count(m.n_kv_head, "KV head") + " × " + count(s, "token") + " × " +
+        count(m.head_dim, "dim") + " × " + count(width, "byte");
+      show(cache, c, size(c) + " (" + sep(c) + " bytes), " + sep(c / w, 2) + "× the weights");
       show(weights, w, size(w));
       const ok = w + c <= g;
       show(fits, ok, size(w + c) + ", which " + (ok ? "fits" : "does not fit") + " in " + size(g));
-      figure.innerHTML = bars([["weights", w, BLUE, size(w)], ["KV cache", c, RED, size(c)],
-                               ["GPU memory", g, GREY, size(g)]], Math.max(w, c, g),
-                              "weights " + size(w) + ", KV cache " + size(c) + ", GPU " + size(g));
+      const top = Math.max(w, c, g);
+      fig.picture.innerHTML = bars(fig.width(), [["weights", w, BLUE, size(w)], ["KV cache", c, RED, size(c)],
+                                                 ["GPU memory", g, GREY, size(g)]], top,
+                                   "weights " + size(w) + ", KV cache " + size(c) + ", GPU " + size(g));
     }
     model.addEventListener("change", () => { refillHeads(); refresh(); });
     for (const s of [dtype, batch, ctx, heads, gpu]) s.addEventListener("change", refresh);
     refillHeads();
     refresh();
+    onResize(box, refresh);
   }
 
   function stepExplorer(box, data) {  // mirrors kvlib.hardware.step_time
@@ -183,16 +295,21 @@
     const hw = control(form, "hardware", hwNames, "h100");
     const model = control(form, "model", Object.entries(data.models).map(([k, m]) => [k, m.name]),
                           "llama-3-8b");
-    const dtype = control(form, "dtype", [], "bf16");
-    const batch = control(form, "batch", [1, 2, 4, 8, 16, 32, 64, 128, 256].map(b => [b, b]), 1);
-    const ctx = control(form, "context", data.contexts.map(c => [c, c.toLocaleString("en")]), 4096);
+    const dtype = control(form, "dtype (weights and cache)", [], "bf16");
+    const batch = control(form, "batch (sequences)", BATCHES.map(b => [b, sep(b)]), 1);
+    const ctx = control(form, "context (tokens per sequence)", data.contexts.map(c => [c, sep(c)]), 4096);
     const out = el("div", { class: "kv-outputs" });
+    note(out, "One decode step on the spec sheet's bandwidth and peak, with the weights and the " +
+              "cache both stored in the chosen dtype.");
+    const fits = output(out, "fits", "memory");
     const time = output(out, "step_seconds", "predicted decode step");
     const rate = output(out, "tokens_per_s", "tokens per second (the whole batch)");
     const share = output(out, "kv_share", "share of the step's bytes that is KV cache");
-    const bound = output(out, "bound", "intensity against the ridge");
-    const figure = el("div", { class: "kv-figure" });
-    out.append(figure);
+    const bound = output(out, "bound", "arithmetic intensity");
+    const bytesFig = figure(out, "Bytes read per decode step");
+    note(out, "A step reads every weight matrix but only one row of the embedding table per " +
+              "sequence, so it reads a little less than the weights hold.");
+    const roofFig = figure(out, "");
     box.append(form, out);
     function refillDtypes() {
       const listed = data.step_dtypes.filter(d => d in data.hardware[hw.value].peak_flops);
@@ -202,61 +319,92 @@
     }
     function refresh() {
       const h = data.hardware[hw.value], m = data.models[model.value];
-      const b = Number(batch.value), s = Number(ctx.value);
+      const b = Number(batch.value), s = Number(ctx.value), width = data.dtype_bytes[dtype.value];
       const t = stepTime(m, h, b, s, dtype.value, data.dtype_bytes);
-      show(time, t.total, sig3(1e3 * t.total) + " ms");
-      show(rate, b / t.total, sig3(b / t.total).toLocaleString("en") + " tokens/s");
+      const mem = memoryBytes(m, b, s, width), ok = mem.total <= h.memory;
+      fits.dataset.bytes = String(mem.total);
+      show(fits, ok, (ok ? "fits: needs " : "does not fit: needs ") + gb(mem.total) + " (weights " +
+           gb(mem.weights) + " + KV cache " + gb(mem.cache) + "), the GPU has " + sig3text(h.memory / 1e9) + " GB");
+      box.classList.toggle("kv-overflow", !ok);
+      show(time, t.total, sig3text(1e3 * t.total) + " ms" +
+           (ok ? "" : ", on paper only: the weights and cache do not fit this GPU"));
+      show(rate, b / t.total, sig3text(b / t.total) + " tokens/s");
       show(share, t.kv / t.bytes, (100 * t.kv / t.bytes).toFixed(1) + "% (weights " +
            (100 * t.weights / t.bytes).toFixed(1) + "%)");
-      const mem = t.intensity < t.ridge;
-      show(bound, mem ? "memory" : "compute", sig3(t.intensity) + " FLOPs/byte against a ridge of " +
-           sig3(t.ridge) + ": " + (mem ? "memory-bound" : "compute-bound"));
-      figure.innerHTML = bars([["weights", t.weights, BLUE, size(t.weights)],
-                               ["KV cache", t.kv, RED, size(t.kv)]], Math.max(t.weights, t.kv),
-                              "bytes per step: weights " + size(t.weights) + ", KV cache " + size(t.kv)) +
-        roofline(t, h.peak_flops[dtype.value], h.mem_bandwidth,
-                 "roofline of " + h.name + ": the step at " + sig3(t.intensity) +
-                 " FLOPs per byte, " + (mem ? "under the sloped, memory-bound roof" : "under the flat, compute-bound roof"));
+      const memBound = t.intensity < t.ridge;
+      show(bound, memBound ? "memory" : "compute", sig3text(t.intensity) +
+           " FLOPs per byte, " + (memBound ? "below" : "above") + " the ridge of " + sig3text(t.ridge) +
+           " FLOPs per byte: " + (memBound ? "memory-bound" : "compute-bound"));
+      bytesFig.picture.innerHTML = bars(bytesFig.width(), [["weights", t.weights, BLUE, gb(t.weights)],
+                                                           ["KV cache", t.kv, RED, gb(t.kv)]],
+                                        Math.max(t.weights, t.kv),
+                                        "bytes per step: weights " + gb(t.weights) + ", KV cache " + gb(t.kv));
+      const peak = h.peak_flops[dtype.value];
+      roofFig.title.textContent = "Roofline of the " + h.name + " in " + dtype.value;
+      roofFig.picture.innerHTML = roofline(roofFig.width(), t, peak, h.mem_bandwidth,
+        "roofline of " + h.name + ": the step at " + sig3(t.intensity) + " FLOPs per byte, " +
+        (memBound ? "under the sloped, memory-bound roof" : "under the flat, compute-bound roof") +
+        "; the ridge at " + sig3(t.ridge) + " FLOPs per byte");
+      roofFig.picture.append(legend([
+        ["line", BLUE, "roof: the lower of " + sig3text(peak / 1e12) + " TFLOP/s and " +
+                       rateText(h.mem_bandwidth) + " × FLOPs per byte"],
+        ["dash", "", "ridge: where the two roofs meet"],
+        ["dot", RED, "this step"]]));
     }
     hw.addEventListener("change", () => { refillDtypes(); refresh(); });
     for (const c of [model, dtype, batch, ctx]) c.addEventListener("change", refresh);
     refillDtypes();
     refresh();
+    onResize(box, refresh);
   }
 
   function pagingExplorer(box, data) {  // reads the table kvlib.book.web.paging_table simulated
-    const p = data.paging;
+    const p = data.paging, d = p.default;
     const form = el("form", { class: "kv-controls" });
-    const block = control(form, "block size", p.blocks.map(b => [b, b]), 16);
-    const maxLens = [...new Set(p.rows.map(r => r.max_len))];
-    const medians = [...new Set(p.rows.map(r => r.median))];
-    const maxLen = control(form, "context limit", maxLens.map(m => [m, m]), 2048);
-    const median = control(form, "median request length", medians.map(m => [m, m]), 256);
+    const traceNames = Object.entries(p.traces).map(([k, t]) =>
+      [k, t.label + ": " + sep(t.prompt_median) + " + " + sep(t.output_median)]);
+    const trace = control(form, "requests (median prompt + output, tokens)", traceNames, d.trace);
+    const maxLen = control(form, "context limit (tokens)", p.max_lens.map(m => [m, sep(m)]), d.max_len);
+    const block = control(form, "block size (tokens)", p.blocks.map(b => [b, sep(b)]), d.block);
     const out = el("div", { class: "kv-outputs" });
-    const wMax = output(out, "waste_max", "waste, reserving the context limit");
-    const wPow2 = output(out, "waste_pow2", "waste, reserving a power of two");
+    const about = note(out, "");
+    note(out, "Waste is the share of the occupied pool that holds no token's keys and values: " +
+              "slots reserved for tokens a request has not produced yet, slots beyond its final " +
+              "length, and gaps between reservations too small to use.");
+    const wMax = output(out, "waste_max", "waste, reserving the context limit for every request");
+    const wPow2 = output(out, "waste_pow2",
+                         "waste, reserving the final length rounded up to a power of two");
+    const wOracle = output(out, "waste_oracle", "waste, reserving exactly the final length");
     const wPaged = output(out, "waste_paged", "waste, paged");
+    const batchOut = output(out, "batch", "requests running at once");
     const mean = output(out, "mean_len", "mean request length of this trace (prompt + output)");
-    const figure = el("div", { class: "kv-figure" });
-    out.append(el("p", {}, "Simulated by kvlib for " + p.requests + " requests and a pool of " +
-                  p.pool.toLocaleString("en") + " token slots."), figure);
+    note(out, "A power of two and the exact length both need the output length in advance, which " +
+              "no server has: they bound what predicting it could achieve.");
+    const fig = figure(out, "Waste of the occupied pool, by policy");
     box.append(form, out);
     function refresh() {
-      const row = p.rows.find(r => r.max_len === Number(maxLen.value) &&
-                                   r.median === Number(median.value));
-      const paged = row.paged[block.value];
-      const pct = x => (100 * x).toFixed(1) + "%";
-      show(wMax, row.max, pct(row.max));
-      show(wPow2, row.pow2, pct(row.pow2));
-      show(wPaged, paged, pct(paged));
-      show(mean, row.mean_len, row.mean_len.toFixed(0) + " tokens");
-      figure.innerHTML = bars([["max", row.max, RED, pct(row.max)], ["pow2", row.pow2, GREY, pct(row.pow2)],
-                               ["paged", paged, GREEN, pct(paged)]], 1,
-                              "waste: max " + pct(row.max) + ", pow2 " + pct(row.pow2) +
-                              ", paged " + pct(paged));
+      const key = trace.value, t = p.traces[key], limit = Number(maxLen.value), bs = block.value;
+      const row = p.rows.find(r => r.trace === key && r.max_len === limit);
+      const w = row.waste, paged = w.paged[bs];
+      about.textContent = "Simulated by kvlib.simulate: " + sep(p.requests) + " requests, all queued " +
+        "at the start, served first come, first served from a pool of " + sep(t.pool) +
+        " token slots. The chat-like and short-exchange traces are chapter 9's own.";
+      show(wMax, w.max, pct(w.max));
+      show(wPow2, w.pow2, pct(w.pow2));
+      show(wOracle, w.oracle, pct(w.oracle));
+      show(wPaged, paged, pct(paged) + " with " + sep(Number(bs)) + "-token blocks");
+      show(batchOut, row.batch.paged[bs], sep(row.batch.max, 1) + " reserving the limit, " +
+           sep(row.batch.paged[bs], 1) + " paged (a mean over the busy period)");
+      show(mean, row.mean_len, sep(row.mean_len) + " tokens");
+      fig.picture.innerHTML = bars(fig.width(), [
+        ["context limit", w.max, RED, pct(w.max)], ["power of two", w.pow2, ORANGE, pct(w.pow2)],
+        ["exact length", w.oracle, GREY, pct(w.oracle)], ["paged", paged, GREEN, pct(paged)]], 1,
+        "waste: reserving the context limit " + pct(w.max) + ", a power of two " + pct(w.pow2) +
+        ", the exact length " + pct(w.oracle) + ", paged " + pct(paged));
     }
-    for (const c of [block, maxLen, median]) c.addEventListener("change", refresh);
+    for (const c of [trace, maxLen, block]) c.addEventListener("change", refresh);
     refresh();
+    onResize(box, refresh);
   }
 
   const EXPLORERS = { cache: cacheExplorer, step: stepExplorer, paging: pagingExplorer };

@@ -89,3 +89,15 @@ def test_widget_rejects_unknown_settings():
     with pytest.raises(ValueError, match="seq_len must be one of"):
         explorer(seq_len=1000)
     assert set(MODELS) <= set(PRESETS) and CONTEXTS[0] == 128
+
+
+def test_report_words_and_numbers():
+    """Thousands separators as the chapters print them, singular units, and theme colours."""
+    from kvlib.book.explorer import report_html
+
+    html = report_html(cache_report("llama-2-7b", 1, 4096, "fp8", n_kv_head=1))
+    assert "2 (K and V) × 32 layers × 1 sequence × 1 KV head × 4,096 tokens × 128 dims × 1 byte =" in html
+    assert "× 2 bytes =" in report_html(cache_report("llama-2-7b", 8, 131072))
+    assert "131,072 tokens" in report_html(cache_report("llama-2-7b", 8, 131072))
+    svg = bar_svg(cache_report("llama-2-7b", 1, 4096))
+    assert "#333" not in svg and svg.count('fill="currentColor"') == 5  # legible on a dark notebook

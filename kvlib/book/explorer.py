@@ -86,7 +86,9 @@ def _size(n: float) -> str:
 
 
 def bar_svg(report: dict, width: int = 560) -> str:
-    """Two horizontal bars (weights, cache) on one scale, with the GPU's memory as a dashed line."""
+    """Two horizontal bars (weights, cache) on one scale, with the GPU's memory as a dashed line.
+
+    Text and lines are drawn in ``currentColor``, so the picture follows a dark theme."""
     w, c, g = report["weight_bytes"], report["cache_bytes"], report["gpu_bytes"]
     left, right, row = 90, 20, 34
     scale = (width - left - right) / max(w, c, g)
@@ -96,16 +98,24 @@ def bar_svg(report: dict, width: int = 560) -> str:
              f'role="img" aria-label="weights {_size(w)}, KV cache {_size(c)}, GPU {_size(g)}">']
     for i, (label, n, color) in enumerate(bars):
         y = 8 + i * row
-        parts.append(f'<text x="{left - 8}" y="{y + 16}" text-anchor="end" font-size="13">{label}</text>')
+        parts.append(f'<text x="{left - 8}" y="{y + 16}" text-anchor="end" font-size="13" '
+                     f'fill="currentColor">{label}</text>')
         parts.append(f'<rect class="kv-bar" data-bytes="{n}" x="{left}" y="{y}" width="{n * scale:.1f}" '
                      f'height="22" fill="{color}"/>')
         parts.append(f'<text x="{left + min(n * scale, width - left - right - 70) + 6:.1f}" y="{y + 16}" '
-                     f'font-size="12">{_size(n)}</text>')
+                     f'font-size="12" fill="currentColor">{_size(n)}</text>')
     x = left + g * scale
-    parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="2" y2="{height - 22}" stroke="#333" stroke-dasharray="4 3"/>')
-    parts.append(f'<text x="{x:.1f}" y="{height - 6}" text-anchor="end" font-size="12">GPU {_size(g)}</text>')
+    parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="2" y2="{height - 22}" stroke="currentColor" '
+                 f'stroke-dasharray="4 3"/>')
+    parts.append(f'<text x="{x:.1f}" y="{height - 6}" text-anchor="end" font-size="12" '
+                 f'fill="currentColor">GPU {_size(g)}</text>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _count(n: int, word: str) -> str:
+    """``n`` with thousands separators and ``word``, plural unless n is 1: 4,096 tokens, 1 byte."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def report_html(report: dict) -> str:
@@ -114,8 +124,9 @@ def report_html(report: dict) -> str:
     total = r["weight_bytes"] + r["cache_bytes"]
     verdict = ("fits" if r["fits"] else "does <b>not</b> fit") + f" in {_size(r['gpu_bytes'])}"
     return (
-        f'<div class="kv-report"><p>2 × {r["n_layer"]} layers × {r["batch"]} sequences × {r["n_kv_head"]} KV heads'
-        f' × {r["seq_len"]} tokens × {r["head_dim"]} dims × {r["dtype_bytes"]} bytes = '
+        f'<div class="kv-report"><p>2 (K and V) × {_count(r["n_layer"], "layer")} × {_count(r["batch"], "sequence")}'
+        f' × {_count(r["n_kv_head"], "KV head")} × {_count(r["seq_len"], "token")} × {_count(r["head_dim"], "dim")}'
+        f' × {_count(r["dtype_bytes"], "byte")} = '
         f'<b>{_size(r["cache_bytes"])}</b> of cache, {r["cache_over_weights"]:.2f}× the weights.</p>'
         f'<p>{escape(r["model"])}: weights {_size(r["weight_bytes"])} + cache = {_size(total)}, which {verdict}.</p>'
         f"{bar_svg(r)}</div>"
@@ -134,13 +145,13 @@ def explorer(
         raise ValueError(f"seq_len must be one of {CONTEXTS}, got {seq_len!r}")
     if gpu_gib not in GPUS_GIB:
         raise ValueError(f"gpu_gib must be one of {GPUS_GIB}, got {gpu_gib!r}")
-    style = {"description_width": "110px"}
+    style = {"description_width": "150px"}
     m = w.Dropdown(options=[(PRESETS[k].name, k) for k in MODELS], value=model, description="model", style=style)
     dt = w.Dropdown(options=list(DTYPE_BYTES), value=dtype, description="cache dtype", style=style)
-    b = w.IntSlider(value=batch, min=1, max=256, description="batch", style=style)
-    s = w.SelectionSlider(options=CONTEXTS, value=seq_len, description="context", style=style)
+    b = w.IntSlider(value=batch, min=1, max=256, description="batch (sequences)", style=style)
+    s = w.SelectionSlider(options=CONTEXTS, value=seq_len, description="context (tokens)", style=style)
     h = w.SelectionSlider(options=kv_head_choices(PRESETS[model]), value=PRESETS[model].n_kv_head,
-                          description="KV heads", style=style)
+                          description="KV heads per layer", style=style)
     g = w.Dropdown(options=[(f"{x} GiB", x) for x in GPUS_GIB], value=gpu_gib, description="GPU memory", style=style)
     out = w.HTML()
     switching = [False]  # True while the KV-head slider is re-filled for a new model

@@ -11,6 +11,8 @@ into the site::
 
 The paging explorer shows waste that only a simulation can measure, so this
 module runs `kvlib.simulate` over a small grid at build time and ships the table.
+Its default setting is chapter 9's own: the chat-like trace of 400 requests, a
+2,048-token context limit, a pool of 32,768 slots and 16-token blocks.
 """
 
 from __future__ import annotations
@@ -22,15 +24,28 @@ from pathlib import Path
 from ..config import PRESETS
 from .explorer import CONTEXTS, GPUS_GIB, MODELS, kv_head_choices
 from ..hardware import HARDWARE
-from ..memory import DTYPE_BYTES, GiB
-from ..simulate import request_trace, simulate
+from ..memory import DTYPE_BYTES, GiB, param_count
+from ..simulate import POLICIES, request_trace, simulate
 
-# The paging explorer's grid: block sizes, context limits, and the median request length
-PAGING_BLOCKS = [1, 4, 8, 16, 32, 64, 128]
+# The paging explorer's grid: block sizes, context limits, and request traces.
+PAGING_BLOCKS = [1, 4, 8, 16, 32, 64, 128, 256]
 PAGING_MAX_LENS = [1024, 2048, 4096]
-PAGING_MEDIANS = [64, 128, 256, 512]
-PAGING_REQUESTS = 200  # requests per simulated trace
-PAGING_POOL = 32768  # token slots in the simulated pool
+PAGING_REQUESTS = 400  # requests per simulated trace, as in chapter 9
+# Each trace: log-normal prompt and output lengths (`request_trace`) and the pool it is
+# served from. "chat-like" and "short" are chapter 9's two traces (its cells draw them
+# with these medians, sigma and seeds, and serve the short one from a quarter of the
+# pool); the two between them scale the chat-like medians.
+PAGING_TRACES = {
+    "short": {"label": "short exchanges", "prompt_median": 20, "output_median": 60,
+              "sigma": 0.9, "seed": 1, "pool": 8192},
+    "half": {"label": "shorter chats", "prompt_median": 80, "output_median": 100,
+             "sigma": 0.9, "seed": 0, "pool": 32768},
+    "chat-like": {"label": "chat-like", "prompt_median": 160, "output_median": 200,
+                  "sigma": 0.9, "seed": 0, "pool": 32768},
+    "long": {"label": "longer chats", "prompt_median": 320, "output_median": 400,
+             "sigma": 0.9, "seed": 0, "pool": 32768},
+}
+PAGING_DEFAULT = {"trace": "chat-like", "max_len": 2048, "block": 16}  # chapter 9's setting
 STEP_DTYPES = ["fp32", "fp16", "bf16", "fp8"]
 
 
@@ -38,24 +53,44 @@ def _model(name: str) -> dict:
     c = PRESETS[name]
     return {"name": c.name, "n_layer": c.n_layer, "n_head": c.n_head, "n_kv_head": c.n_kv_head,
             "head_dim": c.head_dim, "d_model": c.d_model, "d_ff": c.d_ff, "vocab_size": c.vocab_size,
-            "tie_embeddings": c.tie_embeddings, "kv_heads": kv_head_choices(c)}
+            "tie_embeddings": c.tie_embeddings, "kv_heads": kv_head_choices(c),
+            "param_count": param_count(c)}
 
 
-def paging_table(blocks=PAGING_BLOCKS, max_lens=PAGING_MAX_LENS, medians=PAGING_MEDIANS,
-                 n: int = PAGING_REQUESTS, pool: int = PAGING_POOL) -> list[dict]:
-    """`kvlib.simulate` over the grid: the waste (`SimResult.waste`) of reserving the context
-    limit (``max``), a power of two (``pow2``) and paging with each block size."""
+def trace_for(key: str, max_len: int, n: int = PAGING_REQUESTS, traces: dict | None = None) -> list:
+    """The `request_trace` behind one row of the paging table."""
+    t = (traces or PAGING_TRACES)[key]
+    return request_trace(n, prompt_median=t["prompt_median"], output_median=t["output_median"],
+                         sigma=t["sigma"], max_len=max_len, seed=t["seed"])
+
+
+def paging_row(trace: list, pool: int, max_len: int, blocks=PAGING_BLOCKS) -> dict:
+    """`kvlib.simulate` on one trace: the waste (`SimResult.waste`) and the mean batch
+    (`SimResult.mean_batch`) of reserving the context limit (``max``), the final length
+    rounded up to a power of two (``pow2``) or exactly (``oracle``), and of paging with
+    each block size."""
+    row = {"mean_len": sum(r.total for r in trace) / len(trace), "waste": {}, "batch": {}}
+    for policy in POLICIES:
+        if policy == "paged":
+            runs = {str(b): simulate(trace, "paged", memory_slots=pool, max_len=max_len, block_size=b)
+                    for b in blocks}
+            row["waste"]["paged"] = {b: r.waste for b, r in runs.items()}
+            row["batch"]["paged"] = {b: r.mean_batch for b, r in runs.items()}
+        else:
+            r = simulate(trace, policy, memory_slots=pool, max_len=max_len)
+            row["waste"][policy], row["batch"][policy] = r.waste, r.mean_batch
+    return row
+
+
+def paging_table(blocks=PAGING_BLOCKS, max_lens=PAGING_MAX_LENS, traces: dict | None = None,
+                 n: int = PAGING_REQUESTS) -> list[dict]:
+    """`paging_row` for every trace and context limit of the grid."""
+    traces = traces or PAGING_TRACES
     rows = []
-    for max_len in max_lens:
-        for median in medians:
-            trace = request_trace(n, prompt_median=median / 2, output_median=median / 2, max_len=max_len, seed=0)
-            row = {"max_len": max_len, "median": median,
-                   "mean_len": sum(r.total for r in trace) / len(trace),
-                   "max": simulate(trace, "max", memory_slots=pool, max_len=max_len).waste,
-                   "pow2": simulate(trace, "pow2", memory_slots=pool, max_len=max_len).waste,
-                   "paged": {b: simulate(trace, "paged", memory_slots=pool, max_len=max_len, block_size=b).waste
-                             for b in blocks}}
-            rows.append(row)
+    for key, t in traces.items():
+        for max_len in max_lens:
+            row = paging_row(trace_for(key, max_len, n, traces), t["pool"], max_len, blocks)
+            rows.append({"trace": key, "max_len": max_len, **row})
     return rows
 
 
@@ -71,7 +106,8 @@ def explorer_data(*, paging: bool = True) -> dict:
         "hardware": {k: {"name": h.name, "mem_bandwidth": h.mem_bandwidth, "peak_flops": dict(h.peak_flops),
                          "memory": h.memory, "source": h.source} for k, h in HARDWARE.items()},
         "step_dtypes": STEP_DTYPES,
-        "paging": {"blocks": PAGING_BLOCKS, "requests": PAGING_REQUESTS, "pool": PAGING_POOL,
+        "paging": {"blocks": PAGING_BLOCKS, "max_lens": PAGING_MAX_LENS, "requests": PAGING_REQUESTS,
+                   "traces": PAGING_TRACES, "default": PAGING_DEFAULT,
                    "rows": paging_table() if paging else []},
     }
 
