@@ -218,3 +218,109 @@ def test_a_chapter_uses_the_readers_cores_and_pins_threads_only_while_timing(pat
 def test_no_chapter_assumes_two_cores(path):
     text = "\n".join(source(c) for c in load(path)["cells"])
     assert not re.search(r"\b(2|two) (CPU )?cores\b", text, re.I), "the reader's machine may have any number"
+
+
+# -- captions and alt text name the lengths the code uses ----------------------------------------------
+# A length: "1,536-token stream", "128 tokens", "64 positions", "positions 63 to 1,535", "400 requests".
+LENGTH = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+)[- ](?:tokens?|positions?|requests?|steps?|quer|keys?)\b", re.I)
+SPAN = re.compile(r"\bpositions? (\d[\d,]*) (?:to|and) (\d[\d,]*)", re.I)
+APPROX = re.compile(r"\b(?:about|near|nearly|around|roughly|some|over|under)\s+$", re.I)
+
+
+def caption_lengths(text: str) -> list[int]:
+    """The lengths a caption or alt text names, but not those it gives as approximate ("near 1,500")."""
+    found = [m for m in LENGTH.finditer(text) if not APPROX.search(text[: m.start()])]
+    spans = [m.group(2) for m in SPAN.finditer(text)]  # the end of a span; its start may be any offset
+    return sorted({int(n.replace(",", "")) for n in [m.group(1) for m in found] + spans})
+
+
+def _ast(code: str):
+    import ast
+
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
+    try:
+        return ast.parse(code)
+    except SyntaxError:
+        return None
+
+
+def figure_numbers(cells: list[dict], i: int) -> set[int]:
+    """The integers the figure of code cell ``i`` can draw on: its own literals, and those of every
+    earlier assignment (or ``for``) that binds a name it reads, followed back through the names those
+    read in turn."""
+    import ast
+
+    def ints(node) -> set[int]:
+        return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and type(n.value) is int}
+
+    def names(node) -> set[str]:
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+    tree = _ast(source(cells[i]))
+    allowed, wanted = ints(tree), names(tree)
+    binds = []
+    for cell in cells[:i]:
+        t = _ast(source(cell)) if cell["cell_type"] == "code" else None
+        for st in ast.walk(t) if t is not None else ():
+            if isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For)):
+                targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+                value = st.iter if isinstance(st, ast.For) else st
+                binds.append((set().union(*map(names, targets)), value))
+    grown = True
+    while grown:
+        grown = False
+        for bound, value in binds:
+            if bound & wanted:
+                allowed |= ints(value)
+                if not names(value) <= wanted:
+                    wanted |= names(value)
+                    grown = True
+    return allowed
+
+
+def glued_numbers(path: Path) -> set[int]:
+    """Every integer in the chapter's glued values, as its last build resolved them (stored in its
+    reader edition: `make reader`)."""
+    edition = ROOT / "reader" / path.name
+    if not edition.is_file():
+        return set()
+    glue = load(edition)["metadata"]["kvlib_reader"]["glue"]
+    return {int(float(n)) for v in glue.values() for n in re.findall(r"(?<![\w.])\d+(?:\.0+)?(?![\w.])", str(v))}
+
+
+def stale_lengths(cells: list[dict], glued: set[int]) -> list[str]:
+    """Lengths named by a figure's caption or alt text that neither its code nor a glued value holds
+    (an inclusive span's end, n - 1, counts as n). Diagrams are left out: their numbers live in
+    kvlib.book.diagrams, whose tests check them."""
+    stale = []
+    for i, cell in enumerate(cells):
+        meta = cell.get("metadata", {}).get("mystnb")
+        if cell["cell_type"] != "code" or not meta or "diagrams." in source(cell):
+            continue
+        allowed = figure_numbers(cells, i) | glued
+        for kind, text in (("caption", meta.get("figure", {}).get("caption", "")),
+                           ("alt text", meta.get("image", {}).get("alt", ""))):
+            for n in caption_lengths(text):
+                if not {n, n + 1} & allowed:
+                    stale.append(f"cell {i} {kind}: {n:,}")
+    return stale
+
+
+def test_the_caption_length_check_can_fail():
+    """Chapter 10 once captioned its 1,536-token stream "the 1,024-token stream" (positions 63
+    to 1,023); 1024 was elsewhere in the chapter's code, but not in the figure's."""
+    setup = {"cell_type": "code", "source": "N_TOKENS, OTHER = 1536, 2048\nSHAPES = (1024, 1024)\n"}
+    fig = {"cell_type": "code", "source": "ax.plot(range(N_TOKENS))\n",
+           "metadata": {"mystnb": {"figure": {"caption": "NLL along the 1,024-token stream."},
+                                   "image": {"alt": "Curves over positions 63 to 1,023."}}}}
+    assert stale_lengths([setup, fig], set()) == ["cell 1 caption: 1,024", "cell 1 alt text: 1,023"]
+    fig["metadata"]["mystnb"]["figure"]["caption"] = "NLL along the 1,536-token stream."
+    fig["metadata"]["mystnb"]["image"]["alt"] = "Curves over positions 63 to 1,535, near 1,500 tokens."
+    assert stale_lengths([setup, fig], set()) == []
+    assert stale_lengths([fig], {1536}) == []  # a glued length counts
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_captions_name_only_lengths_the_code_uses(path):
+    stale = stale_lengths(load(path)["cells"], glued_numbers(path))
+    assert not stale, f"lengths in captions or alt text that the figure's code does not use: {stale}"
