@@ -68,7 +68,7 @@ RESOLVED = {
 TOY = notebook(
     ("markdown", "(ch2)=\n# A chapter\n\nA step took {glue:text}`ms:.1f` ms, {glue:text}`verdict`; "
                  "{glue:text}`n:,` tokens. See {numref}`fig-x`, {ref}`sec-y`, {ref}`that part <sec-y>`, "
-                 "{doc}`ch09_paging` and {cite}`kwon2023`.", {}),
+                 "{doc}`ch09_paging` and {cite}`kwon2023`, as argued {cite:p}`kwon2023`.", {}),
     ("code", "plot()", {"tags": ["hide-input"], "mystnb": {"figure": {"name": "fig-x", "caption": "Steps."}}}),
     ("markdown", ":::{note}\nA note with {glue:text}`n`.\n:::", {}),
     ("markdown", "```{exercise-start}\n:label: ch2-ex1\n```\nDo this.\n\nThen that.\n```{exercise-end}\n```", {}),
@@ -92,6 +92,7 @@ def test_each_myst_form_becomes_what_jupyter_renders():
     assert f"[that part]({SITE}book/ch05.html#sec-y)" in first
     assert f"[Paging the cache]({SITE}book/ch09_paging.html)" in first
     assert f"[Kwon et al., 2023]({SITE}book/references.html)" in first
+    assert f"as argued ([Kwon et al., 2023]({SITE}book/references.html))" in first
     assert "reader edition" in first and "a test" in first  # the numbers are marked as the build's
     assert md[1] == '<a id="fig-x"></a>\n\n*Fig. 3.* Steps.'  # the caption under its figure
     assert md[2] == "> **Note**\n>\n> A note with <em>4096</em>."

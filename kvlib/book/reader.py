@@ -178,10 +178,11 @@ class _Resolver:
             if name == "doc":
                 target = Path(target).name
             return self.link(target, text)
-        if name == "cite":
+        if name in ("cite", "cite:t", "cite:p"):  # cite:p is the parenthetical form
             keys = [k.strip() for k in body.split(",")]
             shown = "; ".join(self.cites[k] for k in keys)
-            return f"[{shown}]({self.site}book/references.html)"
+            link = f"[{shown}]({self.site}book/references.html)"
+            return f"({link})" if name == "cite:p" else link
         raise ValueError(f"{self.page}: no reader-edition form for the role {{{name}}}")
 
     def prose(self, text: str) -> str:
