@@ -349,7 +349,8 @@ class Transformer(nn.Module):
         """A smaller model made of this one's embedding, first ``n`` blocks, final norm and lm_head.
 
         The weights are shared, not copied. Its outputs are not good text, but it costs
-        about ``n / n_layer`` of the full model, which makes curves with many points cheap.
+        less than the full model, though more than ``n / n_layer`` of it, because the
+        embedding and output layer are kept; that makes curves with many points cheaper.
         """
         int_in_range("n", n, 1, self.config.n_layer)
         small = Transformer(self.config.replace(n_layer=n, name=f"{self.config.name} (first {n} layers)"), device="meta")

@@ -106,7 +106,8 @@ def attention_wiring() -> Figure:
     """One attention layer during decode, and where the cache enters it.
 
     The projection makes the new tokens' q, k and v. RoPE rotates q and k only, at positions
-    that start at the cache's length (``past = cache.get_seq_length()``), so the new query and
+    ``cache.positions(tokens)`` that start at the cache's length
+    (``past = cache.get_seq_length()``), so the new query and
     key are rotated as if the whole sequence had been run again; v is never rotated.
     ``cache.update`` sits inside the layer: it stores the rotated key and the value, and returns
     every key and value so far. The mask is the cache's answer too: one row per new query and
@@ -145,7 +146,8 @@ def attention_wiring() -> Figure:
     # the cache's length sets the positions RoPE rotates by: up, across the top, down
     ax.plot([11.35, 11.35, 1.0, 1.0], [4.8, 8.0, 8.0, 5.2], color=grey, lw=1.0)
     _arrow(ax, (1.0, 5.2), (1.0, 4.65), color=grey, shrinkA=0)
-    ax.text(6.2, 8.1, "positions: past, past+1, …, past+T−1,  where past = cache.get_seq_length()",
+    ax.text(6.2, 8.1, "cache.positions(tokens): past, past+1, …, past+T−1,  "
+            "where past = cache.get_seq_length()",
             ha="center", va="bottom", fontsize=8, color=grey)
     _blank(ax, (0.1, 12.8), (0.3, 8.6))
     return fig
