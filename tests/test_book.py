@@ -121,6 +121,11 @@ def test_every_figure_has_a_caption_and_alt_text(path):
             assert meta.get("image", {}).get("alt"), f"figure cell {i} has no alt text"
 
 
+def without_magics(code: str) -> str:
+    """A cell's code with its IPython lines (``%magic``, ``!shell``) blanked, so ``ast`` parses it."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
+
+
 # -- chapters use only kvlib's public names (learners copy them) ---------------------------------------
 def kvlib_private_names() -> set[str]:
     """Every ``_name`` that kvlib defines: module-level names, methods and attributes set on self."""
@@ -143,7 +148,7 @@ def private_uses(code: str, kvlib_private: set[str]) -> list[str]:
     ``self._x`` where kvlib defines ``_x`` (an inherited helper), or ``from kvlib... import _x``."""
     import ast
 
-    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
+    code = without_magics(code)
     found = []
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
@@ -237,7 +242,7 @@ def caption_lengths(text: str) -> list[int]:
 def _ast(code: str):
     import ast
 
-    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
+    code = without_magics(code)
     try:
         return ast.parse(code)
     except SyntaxError:

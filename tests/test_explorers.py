@@ -18,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from test_site import KNOWN_THEME_ERRORS, SHOTS, browser, server  # noqa: F401  (fixtures)
+from test_site import SHOTS, browser, server  # noqa: F401  (fixtures)
 
 from kvlib import cost, memory
 from kvlib.book import web
@@ -98,7 +98,7 @@ def pick(box, label: str, v) -> None:
 
 def clean(external, errors):
     assert external == [], f"requests outside the site: {external}"
-    assert [e for e in errors if not any(k in e for k in KNOWN_THEME_ERRORS)] == []
+    assert errors == []
 
 
 def close(page):

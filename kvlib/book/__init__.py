@@ -37,10 +37,10 @@ def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) 
 
     In IPython (Jupyter, Colab, the book's build) it also registers the ``%%requires``
     cell magic of `kvlib.book.requires`, and draws figures as 2x PNGs ("retina"): shown at
-    their size, sharp on a high-resolution screen, in the notebook and on the website. On a runtime with a CUDA GPU (Colab's T4, say) it
-    prints one line saying that the chapter still runs on the CPU, and how to move kvlib
-    to the GPU: the chapters measure the CPU they run on, and their roofline and AMX cells
-    are about that CPU.
+    their size, sharp on a high-resolution screen, in the notebook and on the website. On
+    a runtime with a CUDA GPU (Colab's T4, say) it prints one line saying that the chapter
+    still runs on the CPU, and how to move kvlib to the GPU: the chapters measure the CPU
+    they run on, and their roofline and AMX cells are about that CPU.
     """
     import torch
 

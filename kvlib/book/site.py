@@ -18,7 +18,6 @@ Listed in ``_config.yml``'s ``extra_extensions``. It mends five things, each at 
    runtime on any page whose notebook stored widget state, even when every widget output
    is removed (chapter 4's panel, whose place the live explorer takes; chapter 2's
    progress bars). It is dropped from pages that render no widget view.
-
 5. **A first visit logs no error.** With no ``default_mode`` set, pydata-sphinx-theme
    stores an empty theme mode for a browser that has never chosen one, then logs
    "Got invalid theme mode" on every page. The default is "auto" (follow the system).
@@ -50,24 +49,21 @@ def point_buttons(app, pagename: str, templatename: str, context: dict, doctree)
     and give the theme mode a default (5. in the module docstring)."""
     if not context.get("default_mode"):
         context["default_mode"] = "auto"
-    for group in context.get("header_buttons", []):
-        for button in group.get("buttons", []):
-            if button.get("label") == "download-pdf-button":
-                button["text"] = PRINT_LABEL
-                button["tooltip"] = "Opens the browser's print dialog"
     edition = _edition(app, pagename)
-    if edition is None:
-        return
-    name = edition.name
     for group in context.get("header_buttons", []):
         for button in group.get("buttons", []):
             url = button.get("url", "")
-            if button.get("text") == "Colab" and url.endswith(f"/{pagename}.ipynb"):
-                button["url"] = url[: -len(f"{pagename}.ipynb")] + f"{READER}/{name}"
+            if button.get("label") == "download-pdf-button":
+                button["text"] = PRINT_LABEL
+                button["tooltip"] = "Opens the browser's print dialog"
+            elif edition is None:  # a page with no reader edition keeps its links
+                continue
+            elif button.get("text") == "Colab" and url.endswith(f"/{pagename}.ipynb"):
+                button["url"] = url[: -len(f"{pagename}.ipynb")] + f"{READER}/{edition.name}"
                 button["tooltip"] = "Open the reader edition in Colab"
             elif button.get("label") == "download-notebook-button" or (
                     button.get("label") == "download-source-button" and url.endswith(".ipynb")):
-                button["url"] = context["pathto"](f"{READER}/{name}", 1)
+                button["url"] = context["pathto"](f"{READER}/{edition.name}", 1)
                 button["text"] = NOTEBOOK_LABEL
                 button["tooltip"] = "The reader edition, for Jupyter and Colab: run it to see the outputs"
 
