@@ -17,6 +17,7 @@ Their docstrings give the shapes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Callable
 
@@ -35,6 +36,23 @@ def check_token_range(tokens: torch.Tensor, vocab_size: int) -> None:
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         raise IndexError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
+
+
+def _positions_to_score(at: Sequence[int] | torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
+    """``logits_at`` as a ``(K,)`` long tensor on ``device``, every index in ``[0, T)``. Host ints are
+    checked here; a tensor's values only on the CPU (on a GPU, reading them would be a sync)."""
+    if isinstance(at, torch.Tensor):
+        if at.dim() != 1 or at.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"logits_at must be a (K,) int64/int32 tensor, got {at.dtype} {tuple(at.shape)}")
+        if at.device.type == "cpu" and len(at) and not (0 <= int(at.min()) and int(at.max()) < T):
+            raise IndexError(f"logits_at holds {int(at.min())}..{int(at.max())}, outside the {T} positions [0, {T})")
+        return at.to(device=device, dtype=torch.long)
+    if not isinstance(at, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in at):
+        raise TypeError(f"logits_at must be a list of int positions or a (K,) int tensor, got {at!r}")
+    bad = [i for i in at if not 0 <= i < T]
+    if bad:
+        raise IndexError(f"logits_at position {bad[0]} is outside the {T} positions [0, {T})")
+    return torch.tensor(at, dtype=torch.long, device=device)
 
 
 class Linear(nn.Module):
@@ -259,6 +277,7 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,
         last_only: bool = False,
         logits_to_keep: int = 0,
+        logits_at: Sequence[int] | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` (or ``(B, 1, vocab)`` with ``last_only``).
 
@@ -275,6 +294,9 @@ class Transformer(nn.Module):
         vocab)``; 0 keeps all (Hugging Face's argument of the same name). The vocabulary
         projection is a fifth of SmolLM2's FLOPs, so context tokens that are only there to be
         attended to should not pay for it. ``last_only`` is ``logits_to_keep=1``.
+        logits_at: score only these positions of each row, ``(B, K, vocab)`` for ``K`` indices
+        (a list of ints, or a ``(K,)`` int tensor; empty is allowed). A packed row holds many
+        sequences, and sampling needs only each one's last token: vLLM's ``logits_indices``.
 
         Token ids are range-checked here only on the CPU, where it costs no device
         sync; `generate`, `stream` and the paged `Engine` check prompts once, up front.
@@ -293,9 +315,16 @@ class Transformer(nn.Module):
             raise ValueError(f"logits_to_keep must be in [0, {T}] for {T} tokens, got {logits_to_keep}")
         if last_only:
             logits_to_keep = 1
+        at = None if logits_at is None else _positions_to_score(logits_at, T, tokens.device)
+        if at is not None and logits_to_keep:
+            raise ValueError(f"pass logits_at or last_only/logits_to_keep, not both (logits_to_keep={logits_to_keep})")
         past = 0 if cache is None else cache.seq_len
-        if past + T > self.config.max_seq_len:
-            raise ValueError(f"{past} cached + {T} new tokens exceeds max_seq_len={self.config.max_seq_len}")
+        # A row is one sequence, except in a packed batch, whose `longest` sequence is what must fit.
+        longest = getattr(cache, "longest", past + T)
+        if longest > self.config.max_seq_len:
+            raise ValueError(f"{past} cached + {T} new tokens exceeds max_seq_len={self.config.max_seq_len}"
+                             if longest == past + T else
+                             f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
         positions = self._positions(tokens, cache, positions)
         mask = self._mask(tokens, cache, past, key_valid, mask)
 
@@ -306,6 +335,8 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache, mask)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # (B, keep, d_model): generation needs only the last
+        elif at is not None:
+            x = x.index_select(1, at)  # (B, K, d_model): the chosen positions only
         return self.lm_head(self.norm(x))
 
     @staticmethod

@@ -2,9 +2,10 @@
 
 The registry below is the list of kvlib's `Cache` classes. `test_the_registry_lists_every_cache`
 fails when a new cache class appears without an entry, so a cache cannot skip the checks by
-being forgotten. Two classes are not standalone caches and are checked by their own tests:
-`PagedBatch` (one forward over a paged pool: tests/test_paged.py) and `PackedBatch` (one
-packed row whose steps have fixed lengths: tests/test_packed.py and test_contracts.py).
+being forgotten. Three classes are not standalone caches and are checked by their own tests:
+`PagedBatch` and `PackedPagedBatch` (one forward over a paged pool, rectangular or packed:
+tests/test_paged.py, tests/test_engine.py) and `PackedBatch` (one packed row whose steps have
+fixed lengths: tests/test_packed.py and test_contracts.py).
 """
 
 from __future__ import annotations
@@ -121,5 +122,5 @@ def test_the_registry_lists_every_cache():
             if issubclass(obj, Cache) and not inspect.isabstract(obj) and obj.__module__ == module.__name__:
                 if not obj.__name__.startswith("_"):
                     classes.add(obj.__name__)
-    listed = {name.split("(")[0] for name in REGISTRY} | {"PagedBatch", "PackedBatch"}
+    listed = {name.split("(")[0] for name in REGISTRY} | {"PagedBatch", "PackedPagedBatch", "PackedBatch"}
     assert classes == listed, f"not in the registry: {sorted(classes - listed)}; gone: {sorted(listed - classes)}"

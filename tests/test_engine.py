@@ -1,4 +1,5 @@
-"""The serving engine's parts: Sequence (a state enum), Scheduler (no tensors), Engine (schedule, run, process)."""
+"""The serving engine's parts: Sequence (a state enum), Scheduler (no tensors), Engine (schedule, run
+ONE packed forward, process)."""
 
 import random
 
@@ -78,7 +79,7 @@ def test_states_move_waiting_running_preempted_finished(tiny):
     eng.add([4, 5, 6], 4)
     first, second = (eng.requests[i].seqs[0] for i in range(2))
     assert first.state is second.state is SeqState.WAITING and first.block_table == []
-    eng.prefill()
+    eng.step()  # both prompts in one forward
     assert first.state is second.state is SeqState.RUNNING
     assert len(first.block_table) == 2 and first.cached_tokens == 0
     seen = set()
@@ -127,7 +128,8 @@ def test_a_failure_after_the_forward_drops_the_step_and_the_engine_goes_on(tiny,
 
 
 def test_the_engine_reads_the_device_once_per_step(tiny, monkeypatch):
-    """Token ids reach the cache as host ints; the sampled ids come back in one tolist()."""
+    """Token ids reach the cache as host ints; the sampled ids come back in one tolist(), in a
+    prefill step, a decode step, and a step that mixes both (one forward each)."""
     reads = []
     real = torch.Tensor.tolist
 
@@ -139,11 +141,15 @@ def test_the_engine_reads_the_device_once_per_step(tiny, monkeypatch):
     eng = Engine(tiny, cache)
     for p in ([1, 2, 3], [4, 5], [6]):
         eng.add(p, 3)
-    eng.prefill()
     monkeypatch.setattr(torch.Tensor, "tolist", counting)
-    eng.decode()
+    eng.step()  # three prompts
+    assert reads == [(3,)]
+    eng.add([7, 8, 9, 10], 2, n=2)
+    eng.step()  # three decodes and a prompt forked two ways
+    assert reads == [(3,), (5,)]
+    eng.step()  # five decodes
     monkeypatch.undo()
-    assert reads == [(3,)]  # one read: the three sampled tokens
+    assert reads == [(3,), (5,), (5,)] and eng.stats.forwards == eng.stats.steps == 3
 
 
 # -- chunked prefill: a per-step token budget ---------------------------------------------------------
@@ -151,12 +157,13 @@ def _run_with_arrivals(model, cache, prompts, arrive, max_new, n=1, **engine_kwa
     """Each prompt is added at the step ``arrive[i]`` says; returns (outputs, engine), the
     outputs one list per sample when ``n > 1``."""
     eng = Engine(model, cache, **engine_kwargs)
-    rids, step = {}, 0
+    rids, step, budget = {}, 0, engine_kwargs.get("token_budget")
     while len(rids) < len(prompts) or not eng.finished:
         for i, a in enumerate(arrive):
             if a == step:
                 rids[i] = eng.add(prompts[i], max_new, n=n)
-        eng.step()
+        plan = eng.step()
+        assert budget is None or plan.num_tokens <= budget  # one forward, under the budget, decodes included
         step += 1
         assert step < 1000
     out = eng.run()
@@ -191,27 +198,50 @@ def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny, budget, blo
 
 
 def test_chunked_prefill_keeps_the_running_sequences_decoding(tiny):
-    """A 60-token prompt arrives while two sequences run. Whole, it is one forward and the
-    two wait for it; with a budget of 12 tokens a step, each step decodes the two (2 tokens)
-    and prefills 10, so the prompt takes ceil(60 / 10) = 6 steps and the two emit at each."""
+    """A 60-token prompt arrives while two sequences run. Whole, it is one step and the two
+    wait for it; with a budget of 12 tokens a step, each step runs the two decode tokens and 10
+    prompt tokens in ONE forward, so the prompt takes ceil(60 / 10) = 6 steps and the two emit
+    at each."""
     short, long = [[1, 2, 3], [4, 5]], [(7 * i) % 50 for i in range(60)]
     for budget, chunks in ((None, 1), (12, 6)):
         cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
         eng = Engine(tiny, cache, token_budget=budget)
         for p in short:
             eng.add(p, 20)
-        eng.step()
-        eng.step()  # both run now
+        eng.step()  # both prompts, in one forward
+        eng.step()  # both decode
         rid = eng.add(long, 3)
         seq = eng.requests[rid].seqs[0]
-        steps = 0
+        steps, sizes = 0, []
         emitted = [len(eng.requests[i].seqs[0].output) for i in range(2)]
         while not seq.output:
-            eng.step()
+            plan = eng.step()
+            sizes.append((len(plan.decodes), [p.n for p in plan.prefills]))
             steps += 1
         assert steps == chunks and eng.stats.prefill_chunks == 2 + chunks
+        assert eng.stats.forwards == eng.stats.steps == 2 + chunks  # one forward per step
+        assert sizes == ([(2, [60])] if budget is None else [(2, [10])] * 6)
         assert [len(eng.requests[i].seqs[0].output) for i in range(2)] == [e + steps for e in emitted]
         assert eng.run()[rid][0] == kvlib.generate(tiny, torch.tensor([long]), max_new_tokens=3)[0, 60:].tolist()
+
+
+def test_a_budget_below_the_running_count_decodes_the_oldest_and_still_finishes(tiny):
+    """token_budget=2 with three samples running: each step is one forward of at most two tokens,
+    the two oldest decode and the third waits (no prompt is admitted meanwhile); the tokens are
+    still generate's, and everything finishes."""
+    want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=4)[0, len(p):].tolist() for p in ([1, 2, 3], [4, 5])]
+    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=32, block_size=4), token_budget=2)
+    eng.add([1, 2, 3], 4, n=3)  # greedy: three identical samples
+    eng.add([4, 5], 4)
+    seen = []
+    while not eng.finished:
+        running = list(eng.scheduler.running)
+        plan = eng.step()
+        seen.append((len(running), [s.index for s in plan.decodes], len(plan.prefills)))
+        assert plan.num_tokens <= 2 and len(seen) < 100
+    assert (3, [0, 1], 0) in seen  # three running: the oldest two decode, the third waits
+    assert eng.run() == {0: [want[0]] * 3, 1: [want[1]]}
+    assert eng.stats.forwards == eng.stats.steps == len(seen)
 
 
 def test_a_prefill_that_runs_out_of_blocks_is_put_back_and_recomputed(tiny, monkeypatch):
@@ -221,8 +251,14 @@ def test_a_prefill_that_runs_out_of_blocks_is_put_back_and_recomputed(tiny, monk
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8], list(range(10, 26))]
     want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=16)[0, len(p):].tolist() for p in prompts]
     abandoned = []
-    real = Engine._abandon_prefill
-    monkeypatch.setattr(Engine, "_abandon_prefill", lambda self: (abandoned.append(1), real(self)))
+    real = Engine.step
+
+    def step(self):
+        plan = real(self)
+        abandoned.extend([1] * plan.abandoned)
+        return plan
+
+    monkeypatch.setattr(Engine, "step", step)
     cache = PagedCache.for_model(tiny.config, num_blocks=20, block_size=2, prefix_caching=False)
     got, eng = _run_with_arrivals(tiny, cache, prompts, [0, 0, 2], 16, token_budget=4)
     assert got == want and abandoned and eng.stats.preemptions >= len(abandoned)
@@ -268,13 +304,14 @@ def test_a_prompt_whose_cache_add_fails_is_put_back(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("budget, error, match", [
-    (-1, ValueError, "budget must be an int >= 0"), (2.5, TypeError, "budget must be an int, got float"),
-    (True, TypeError, "budget must be an int, got bool")])
-def test_a_prefill_budget_must_be_an_int_of_at_least_0(tiny, budget, error, match):
+    (0, ValueError, "token_budget must be a positive int, got 0"),
+    (2.5, TypeError, "token_budget must be an int, got float"),
+    (True, TypeError, "token_budget must be an int, got bool")])
+def test_a_schedule_budget_must_be_a_positive_int(tiny, budget, error, match):
     eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4))
     eng.add([1, 2], 2)
     with pytest.raises(error, match=match):
-        eng.prefill(budget)
+        eng.scheduler.schedule(budget)
     assert len(eng.scheduler.waiting) == 1  # nothing was admitted
 
 

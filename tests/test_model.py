@@ -127,6 +127,42 @@ def test_logits_to_keep_bad_values(keep, err):
         tiny()(torch.randint(0, 97, (1, 6)), logits_to_keep=keep)
 
 
+def test_logits_at_scores_only_the_chosen_positions():
+    """A packed row's segment ends (vLLM's logits indices), as host ints or a tensor, in any order."""
+    model = tiny()
+    tokens = torch.randint(0, 97, (2, 7))
+    with torch.inference_mode():
+        full = model(tokens)
+        for at in ([6], [0, 3, 6], [5, 1], (2, 2)):
+            got = model(tokens, logits_at=at)
+            assert got.shape == (2, len(at), 97)
+            torch.testing.assert_close(got, full[:, list(at)], rtol=1e-6, atol=1e-6)  # a (K, d) vs (T, d) matmul
+            torch.testing.assert_close(model(tokens, logits_at=torch.tensor(at)), got, rtol=0, atol=0)
+        assert model(tokens, logits_at=[]).shape == (2, 0, 97)  # a step that samples nothing
+
+
+@pytest.mark.parametrize("at, err, match", [
+    ([7], IndexError, r"logits_at position 7 is outside the 7 positions \[0, 7\)"),
+    ([-1], IndexError, "logits_at position -1"),
+    (torch.tensor([0, 9]), IndexError, r"logits_at holds 0..9, outside the 7 positions"),
+    ([1.0], TypeError, "logits_at must be a list of int positions"),
+    ([True], TypeError, "logits_at must be a list of int positions"),
+    (torch.tensor([[1]]), TypeError, r"logits_at must be a \(K,\) int64/int32 tensor, got torch.int64 \(1, 1\)"),
+    (torch.tensor([1.0]), TypeError, "got torch.float32"),
+])
+def test_logits_at_bad_values(at, err, match):
+    with pytest.raises(err, match=match):
+        tiny()(torch.randint(0, 97, (1, 7)), logits_at=at)
+
+
+def test_logits_at_and_logits_to_keep_exclude_each_other():
+    tokens = torch.randint(0, 97, (1, 7))
+    with pytest.raises(ValueError, match=r"logits_at or last_only/logits_to_keep, not both \(logits_to_keep=1\)"):
+        tiny()(tokens, logits_at=[3], last_only=True)
+    with pytest.raises(ValueError, match=r"not both \(logits_to_keep=2\)"):
+        tiny()(tokens, logits_at=[3], logits_to_keep=2)
+
+
 def test_tied_embeddings_share_one_matrix():
     model = tiny(tied=True)
     assert model.tok_emb is None

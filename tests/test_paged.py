@@ -696,6 +696,163 @@ def test_paged_batch_logits_equal_contiguous_cache(tiny):
     cache.check()
 
 
+# -- a packed step: ragged rows in one forward ---------------------------------------------------------
+PACKED_TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the same sums in other shapes round differently, as above
+
+
+def _filled(tiny, lengths, seed=0, num_blocks=32, block_size=4):
+    """A cache (its free list scrambled) holding prompts of ``lengths``, and a DynamicCache per prompt."""
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedCache.for_model(tiny.config, num_blocks=num_blocks, block_size=block_size)
+    cache.allocator.reorder_free(random.Random(seed).sample(range(num_blocks), num_blocks))
+    sids, refs = [], []
+    for n in lengths:
+        p = torch.randint(0, 50, (1, n), generator=g)
+        sid, _ = cache.add(p[0].tolist())
+        with cache.step([sid], p) as b:
+            tiny(p, b)
+        ref = DynamicCache(2)
+        tiny(p, ref)
+        sids.append(sid)
+        refs.append(ref)
+    return cache, sids, refs
+
+
+def test_packed_paged_step_equals_contiguous_attention_and_the_rectangular_step(tiny):
+    """Sequences holding 3, 9 and 6 tokens bring 1, 4 and 2 new ones (a decode token and two
+    prompt chunks) in ONE packed forward ``(1, 7)``: each sequence's logits and stored K/V equal
+    a DynamicCache's for it alone. Then a decode step for all three, packed, equals the
+    rectangular PagedBatch's on the same cache. Tolerance: PACKED_TOL (fp32, rtol = atol = 1e-5)."""
+    cache, sids, refs = _filled(tiny, (3, 9, 6))
+    rows = [[7], [1, 2, 3, 4], [5, 6]]
+    ids = torch.tensor([[t for r in rows for t in r]])  # (1, 7): no pad anywhere
+    with cache.step(sids, rows, packed=True) as b:
+        assert b.positions().tolist() == [[3, 9, 10, 11, 12, 6, 7]]  # each continues from its own length
+        assert b.cu_seqlens_q.tolist() == [0, 1, 5, 7] and b.cu_seqlens_k.tolist() == [0, 4, 17, 25]
+        assert b.mask().shape == (1, 1, 7, 25) and b.get_seq_length() == 18
+        got = tiny(ids, b)[0]  # (7, vocab); the batch supplies positions and mask
+    starts = [0, 1, 5]
+    for r, rc, s0, sid in zip(rows, refs, starts, sids):
+        torch.testing.assert_close(got[s0 : s0 + len(r)], tiny(torch.tensor([r]), rc)[0], **PACKED_TOL)
+        for layer in range(2):
+            torch.testing.assert_close(cache.layer_kv(sid, layer), rc.layer_kv(layer), **PACKED_TOL)
+    new = [[11], [12], [13]]
+    with cache.step(sids, new) as b:  # rectangular (3, 1)
+        rect = tiny(torch.tensor(new), b)[:, -1]  # (3, vocab)
+    for sid in sids:
+        cache.truncate(sid, cache.num_tokens(sid) - 1)  # roll the step back, and run it packed
+    with cache.step(sids, new, packed=True) as b:
+        packed = tiny(torch.tensor([[11, 12, 13]]), b, logits_at=[0, 1, 2])[0]  # (3, vocab)
+    torch.testing.assert_close(packed, rect, **PACKED_TOL)
+    cache.check()
+
+
+def test_a_packed_row_may_hold_more_tokens_than_max_seq_len(tiny):
+    """max_seq_len bounds each sequence, not the packed row: three sequences of 60 hold 180 keys."""
+    cache, sids, refs = _filled(tiny, (59, 59, 59), num_blocks=64, block_size=16)
+    with cache.step(sids, [[1], [2], [3]], packed=True) as b:
+        assert b.get_seq_length() == 177 > tiny.config.max_seq_len
+        got = tiny(torch.tensor([[1, 2, 3]]), b)[0]
+    for i, rc in enumerate(refs):
+        torch.testing.assert_close(got[i], tiny(torch.tensor([[i + 1]]), rc)[0, -1], **PACKED_TOL)
+    cache, sids, _ = _filled(tiny, (120, 5), num_blocks=64, block_size=16)
+    with pytest.raises(ValueError, match="a sequence of 130 tokens exceeds max_seq_len=128"):
+        tiny(torch.tensor([[1] * 10 + [2]]), cache.step(sids, [[1] * 10, [2]], packed=True))
+
+
+def test_a_packed_step_writes_each_sequence_its_own_number_of_tokens():
+    """One packed step appends 1, 3, 5 and 2 tokens to four sequences (one empty, one a fork
+    sharing a partial block): each reads back exactly its tokens' K/V through its table, the
+    fork's shared block is copied once, and the step takes exactly blocks_needed blocks."""
+    cache = PagedCache(2, 2, 3, num_blocks=24, block_size=4, prefix_caching=False)
+    cache.allocator.reorder_free(random.Random(1).sample(range(24), 24))
+    a, b = start(cache, [1, 2, 3]), start(cache, list(range(10)))
+    c, f = cache.add()[0], cache.fork(a)
+    sids, rows = [a, b, c, f], [[4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    before = {s: cache.tokens(s) for s in sids}
+    need, free = cache.blocks_needed(sids, [1, 3, 5, 2]), cache.allocator.num_free
+    vals = [prefix_values(before[s] + r)[-len(r):] for s, r in zip(sids, rows)]
+    k = torch.tensor([v for vs in vals for v in vs]).view(1, 1, -1, 1).expand(1, 2, 11, 3).contiguous()
+    with cache.step(sids, rows, packed=True) as batch:
+        for layer in range(2):
+            batch.update(k, -k, layer)
+    assert need == 5 and cache.allocator.num_free == free - need and cache.copies == 1  # 1 copy, 4 new blocks
+    for s, r in zip(sids, rows):
+        assert cache.tokens(s) == before[s] + r
+        assert_holds(cache, s)
+    assert cache.block_table(f)[0] != cache.block_table(a)[0]  # a and its fork no longer share the partial block
+    cache.check()
+
+
+def test_a_refused_packed_step_changes_nothing(tiny):
+    """OutOfBlocks at step(), a forward that fails in its second layer, an incomplete commit,
+    a second commit and a stale batch: the tables, the free list and every pool byte stay."""
+    cache, sids, _ = _filled(tiny, (3, 9), num_blocks=6, block_size=4)  # 4 blocks held, 2 free
+    f = cache.fork(sids[0])  # shares a partial block: a write to it must copy
+    sids = sids + [f]
+
+    def state():
+        return ([cache.block_table(s) for s in sids], [cache.tokens(s) for s in sids], cache.allocator.free_order(),
+                cache.copies, cache.version, [t.clone() for t in cache.keys + cache.values])
+
+    def same(x, y):
+        return x[:5] == y[:5] and all(torch.equal(p, q) for p, q in zip(x[5], y[5]))
+
+    before = state()
+    with pytest.raises(OutOfBlocks, match="needs 3 blocks but only 2 are free"):  # a copy and 2 new blocks
+        cache.step(sids, [[1], [2] * 8, [5]], packed=True)
+    assert same(state(), before)
+    real = tiny.layers[1].forward
+    tiny.layers[1].forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("layer 1 failed"))
+    try:
+        with pytest.raises(RuntimeError, match="layer 1 failed"):
+            with cache.step(sids, [[1], [2], [5]], packed=True) as batch:
+                tiny(torch.tensor([[1, 2, 5]]), batch)
+    finally:
+        tiny.layers[1].forward = real
+    assert same(state(), before)
+    batch = cache.step(sids, [[1], [2], [5]], packed=True)
+    batch.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8), 1)
+    with pytest.raises(ValueError, match=r"layers \[0\] were never written"):
+        batch.commit()
+    assert same(state(), before)
+    stale = cache.step(sids, [[1], [2], [5]], packed=True)
+    cache.fork(sids[1])  # the tables change after it was made
+    before = state()
+    with pytest.raises(ValueError, match="PackedPagedBatch is stale"):
+        stale.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8), 0)
+    assert same(state(), before)
+    with cache.step(sids, [[1], [2], [5]], packed=True) as batch:
+        tiny(torch.tensor([[1, 2, 5]]), batch)
+    with pytest.raises(ValueError, match="PackedPagedBatch was already committed"):
+        batch.commit()
+    cache.check()
+
+
+def test_bad_inputs_to_a_packed_step(tiny):
+    cache, (a, b), _ = _filled(tiny, (3, 5))
+    with pytest.raises(ValueError, match=r"one non-empty token list per sequence \(2\), got lengths \[1, 0\]"):
+        cache.step([a, b], [[1], []], packed=True)
+    with pytest.raises(ValueError, match=r"per sequence \(1\), got lengths \[1, 1\]"):
+        cache.step([a], [[1], [2]], packed=True)
+    with pytest.raises(TypeError, match="tokens must be int ids, got float 1.5"):
+        cache.step([a], [[1.5]], packed=True)
+    with pytest.raises(TypeError, match="packed must be True or False, got 'yes'"):
+        cache.step([a], [[1]], packed="yes")
+    with pytest.raises(ValueError, match=r"got \[1, 2\]; steps of different lengths go in one packed step"):
+        cache.step([a, b], [[1], [2, 3]])
+    with pytest.raises(ValueError, match="1 token counts for 2 sequences"):
+        cache.blocks_needed([a, b], [1])
+    batch = cache.step([a, b], [[1], [2, 3]], packed=True)
+    with pytest.raises(ValueError, match=r"holds 3 new tokens \(\[1, 2\] per sequence\) as one row \(1, 3\), "
+                                         r"got tokens of shape \(2, 2\)"):
+        tiny(torch.tensor([[1, 2], [2, 3]]), batch)
+    with pytest.raises(ValueError, match=r"holds 3 new tokens \(\[1, 2\] per sequence\) but update got 2"):
+        batch.update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), 0)
+    with pytest.raises(ValueError, match="batch=1 but update"):
+        batch.update(torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8), 0)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_blocks", [None, "tight"])
 def test_engine_tokens_equal_generate(tiny, block_size, num_blocks):
@@ -723,7 +880,7 @@ def test_engine_parallel_sampling_shares_the_prompt(tiny):
     cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
     eng = Engine(tiny, cache, generator=torch.Generator().manual_seed(0))
     eng.add(prompt, 6, n=4, temperature=1.0)
-    eng.prefill()  # prefill once and fork
+    eng.step()  # prefill once and fork
     assert len(cache.seqs) == 4 and cache.allocator.num_used == 8  # one copy of the prompt for four samples
     eng.run()
     outs = eng.requests[0].outputs

@@ -4,17 +4,18 @@
   prefix index (a hash chain over full blocks); `OutOfBlocks`. No tensors.
 * `kvlib.paged.cache`: `PagedCache`, the per-layer pools and each sequence's block table:
   ``add``, ``fork`` (copy-on-write), ``truncate``, ``free``, and ``step``.
-* `kvlib.paged.batch`: `slot_mapping`, `gather`, and `PagedBatch`, the `kvlib.Cache` one
-  forward runs against; committing it is the only way a step reaches the pool.
+* `kvlib.paged.batch`: `slot_mapping`, `gather`, and the `kvlib.Cache` one forward runs
+  against: `PagedBatch` (a rectangle, ``T`` new tokens each) or `PackedPagedBatch` (one
+  packed row of ragged steps); committing it is the only way a step reaches the pool.
 * `kvlib.paged.kernel`: `paged_attention_loop`, the paged kernel's block-by-block loop.
 
 Every name is importable from ``kvlib.paged`` itself.
 """
 
-from .batch import PagedBatch, gather, slot_mapping
+from .batch import PackedPagedBatch, PagedBatch, gather, slot_mapping
 from .blocks import BlockAllocator, OutOfBlocks, chain_hash
 from .cache import PagedCache
 from .kernel import paged_attention_loop
 
-__all__ = ["BlockAllocator", "OutOfBlocks", "PagedBatch", "PagedCache", "chain_hash", "gather",
+__all__ = ["BlockAllocator", "OutOfBlocks", "PackedPagedBatch", "PagedBatch", "PagedCache", "chain_hash", "gather",
            "paged_attention_loop", "slot_mapping"]

@@ -1,9 +1,17 @@
-"""One forward pass over a paged pool: slot mapping, `gather`, and the `PagedBatch` a model runs against.
+"""One forward pass over a paged pool: slot mapping, `gather`, and the batches a model runs against.
 
 A paged pool is ``(num_blocks, block_size, kv_heads, head_dim)`` per layer. A
 sequence's tokens sit in the slots its block table names (`slot_mapping`), and
 `gather` reads them back, through the table, into the contiguous
 ``(batch, kv_heads, seq, head_dim)`` layout that attention expects.
+
+A step can be laid out two ways:
+
+* `PagedBatch`, a rectangle: every sequence brings the same number ``T`` of new
+  tokens, ``(B, T)``, and its keys are right-padded to the longest sequence.
+* `PackedPagedBatch`, one packed row (`kvlib.packed`): sequences bring different
+  numbers of new tokens (a decode token here, a prompt chunk there), laid end to
+  end as ``(1, N)`` with no pad, the way vLLM's V1 engine flattens a step.
 """
 
 from __future__ import annotations
@@ -45,8 +53,84 @@ def gather(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch
     return blocks.view(B, n * bs, H, D)[:, :length].transpose(1, 2)  # (B, H, length, D)
 
 
-class PagedBatch(Cache):
-    """One forward pass's view of a `PagedCache`: the sequences ``sids`` and their new tokens.
+class _Step(Cache):
+    """What both layouts share: the staged K/V of one forward, and the commit that stores them.
+
+    ``update`` stages each layer's new keys and values; the pool is written only by
+    ``commit()`` (the ``with`` block calls it), once every layer has run. A subclass sets
+    ``counts`` (new tokens per sequence) and says how its keys are laid out.
+    """
+
+    def __init__(self, cache: "PagedCache", sids: list[int], tokens: list[list[int]], lengths: list[int],
+                 spec: CacheSpec) -> None:
+        super().__init__(cache.n_layer, spec)
+        self.cache, self.sids, self.new_tokens, self.start = cache, sids, tokens, lengths
+        self.counts = [len(r) for r in tokens]  # new tokens per sequence
+        self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.n_layer
+        self.committed = False
+        self._version = cache.version  # any later change to the tables makes this batch stale
+
+    def new_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's staged keys and values of ``layer``, ``(N, kv_heads, head_dim)`` each, with
+        ``N = sum(counts)``: sequence by sequence, in the order `commit` writes their slots."""
+        raise NotImplementedError
+
+    def _stage(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        if self.staged[layer_idx] is not None:
+            raise ValueError(f"layer {layer_idx} was already written in this step")
+        self._check_fresh()
+        self.staged[layer_idx] = (key_states, value_states)
+        self.count_written(key_states, value_states)  # what the commit will write into the pool
+
+    def _check_fresh(self) -> None:
+        if self.committed:
+            raise ValueError(f"this {type(self).__name__} was already committed; "
+                             "call PagedCache.step for the next step")
+        if self.cache.version != self._version:
+            raise ValueError(
+                f"this {type(self).__name__} is stale: the cache's block tables changed after it was made "
+                "(a step, fork, truncate or free); call PagedCache.step again"
+            )
+
+    @property
+    def complete(self) -> bool:
+        """Has every layer been written?"""
+        return all(s is not None for s in self.staged)
+
+    def commit(self) -> None:
+        """Store this step in the cache. Raises, changing nothing, unless every layer was
+        written and this is the cache's open step, not committed yet and not stale."""
+        self.cache._commit(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.cache._drop(self)  # a commit that failed (stale, say) must not block the cache
+                raise
+        else:
+            self.cache._drop(self)  # the forward failed: nothing was written, nothing to undo
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def reset(self) -> None:
+        raise NotImplementedError(f"a {type(self).__name__} lives for one forward pass; "
+                                  "free sequences with PagedCache.free")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(f"a {type(self).__name__} lives for one forward pass; "
+                                  "free sequences with PagedCache.free")
+
+
+class PagedBatch(_Step):
+    """One forward pass's view of a `PagedCache`: the sequences ``sids`` and ``T`` new tokens each.
 
     ``update(k, v, layer)`` gathers each sequence's keys through its block table,
     right-padded to the longest, with this step's ``(B, kv_heads, T, head_dim)``
@@ -59,8 +143,8 @@ class PagedBatch(Cache):
     def __init__(self, cache: "PagedCache", sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
         B, T = len(sids), len(tokens[0])
         device = cache.device
-        super().__init__(cache.n_layer, CacheSpec(B, cache.n_kv_head, cache.head_dim, cache.dtype, device))
-        self.cache, self.sids, self.new_tokens, self.start = cache, sids, tokens, lengths
+        spec = CacheSpec(B, cache.n_kv_head, cache.head_dim, cache.dtype, device)  # keys (B, H_kv, T, D)
+        super().__init__(cache, sids, tokens, lengths, spec)
         self.T = T
         self.lengths = torch.tensor(lengths, device=device)  # (B,): tokens held before this step
         self.S = max(lengths) + T  # keys per row after this step (the longest sequence)
@@ -70,9 +154,6 @@ class PagedBatch(Cache):
         # Blocks this step has not reserved yet, and rows shorter than the longest, read block 0:
         # those slots are overwritten with the new tokens below, or masked out.
         self.block_tables = torch.tensor([t + [0] * (n_blocks - len(t)) for t in tables], device=device)  # (B, n)
-        self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.n_layer
-        self.committed = False
-        self._version = cache.version  # any later change to the tables makes this batch stale
 
     # -- where the tokens sit and what they see ------------------------------------------------
     def _check_tokens(self, tokens: torch.Tensor | None) -> None:
@@ -107,58 +188,112 @@ class PagedBatch(Cache):
         self.validate_update(key_states, value_states, layer_idx)
         if key_states.shape[2] != self.T:
             raise ValueError(f"this step reserved {self.T} tokens per sequence but update got {key_states.shape[2]}")
-        if self.staged[layer_idx] is not None:
-            raise ValueError(f"layer {layer_idx} was already written in this step")
-        self._check_fresh()
-        self.staged[layer_idx] = (key_states, value_states)
-        self.count_written(key_states, value_states)  # what the commit will write into the pool
+        self._stage(key_states, value_states, layer_idx)
         return self._read(layer_idx)
 
-    def _check_fresh(self) -> None:
-        if self.committed:
-            raise ValueError("this PagedBatch was already committed; call PagedCache.step for the next step")
-        if self.cache.version != self._version:
-            raise ValueError(
-                "this PagedBatch is stale: the cache's block tables changed after it was made "
-                "(a step, fork, truncate or free); call PagedCache.step again"
-            )
-
-    @property
-    def complete(self) -> bool:
-        """Has every layer been written?"""
-        return all(s is not None for s in self.staged)
-
-    def commit(self) -> None:
-        """Store this step in the cache. Raises, changing nothing, unless every layer was
-        written and this is the cache's open step, not committed yet and not stale."""
-        self.cache._commit(self)
-
-    def __enter__(self) -> "PagedBatch":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
-                self.cache._drop(self)  # a commit that failed (stale, say) must not block the cache
-                raise
-        else:
-            self.cache._drop(self)  # the forward failed: nothing was written, nothing to undo
-        return False
+    def new_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.staged[layer]
+        B, H, T, D = k.shape
+        return k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D)  # (B * T, H, D)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.S if self.staged[layer_idx] is not None else self.S - self.T
 
-    @property
-    def nbytes(self) -> int:
-        return self.cache.nbytes
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.staged[layer_idx] is None else self._read(layer_idx)
 
-    def reset(self) -> None:
-        raise NotImplementedError("a PagedBatch lives for one forward pass; free sequences with PagedCache.free")
 
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("a PagedBatch lives for one forward pass; free sequences with PagedCache.free")
+class PackedPagedBatch(_Step):
+    """One forward over a `PagedCache` as a single packed row: ragged steps, no pads anywhere.
+
+    Sequence ``i`` holds ``start[i]`` tokens and brings ``counts[i]`` new ones (a decode
+    token, or a chunk of its prompt). The model runs on their ids end to end, ``(1, N)``
+    with ``N = sum(counts)``. ``update(k, v, layer)`` takes this step's ``(1, kv_heads, N,
+    head_dim)`` keys and returns the row of every key the step attends to, ``(1, kv_heads,
+    K, head_dim)`` with ``K = sum(start) + N``: sequence by sequence, its cached keys (one
+    gather through a flat slot index) followed by its new ones. ``positions()`` ``(1, N)``
+    continue each sequence from its own length, and ``mask()`` ``(1, 1, N, K)`` is
+    block-diagonal and bottom-right causal (`kvlib.packed.packed_mask`'s picture, built
+    from host ints so that the step reads nothing back from the device). ``cu_seqlens_q``
+    and ``cu_seqlens_k`` are the boundaries a varlen kernel would take: SDPA under this mask
+    still computes every score between two sequences and hides it, where a varlen kernel
+    (FlashAttention's, or `kvlib.packed.packed_attention`) never computes it.
+    """
+
+    def __init__(self, cache: "PagedCache", sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
+        device = cache.device
+        spec = CacheSpec(1, cache.n_kv_head, cache.head_dim, cache.dtype, device)  # keys (1, H_kv, N, D): one row
+        super().__init__(cache, sids, tokens, lengths, spec)
+        totals = [n + c for n, c in zip(lengths, self.counts)]  # keys of each sequence after this step
+        self.N, self.K = sum(self.counts), sum(totals)
+        self.longest = max(totals)  # the longest sequence, which the model's max_seq_len bounds (not the row)
+        cu_q, cu_k = [0], [0]
+        for c, t in zip(self.counts, totals):
+            cu_q.append(cu_q[-1] + c)
+            cu_k.append(cu_k[-1] + t)
+        self.cu_seqlens_q = torch.tensor(cu_q, dtype=torch.int32, device=device)  # (B + 1,)
+        self.cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32, device=device)  # (B + 1,)
+        bs = cache.block_size
+        cached_slots, cached_at, new_at, q_pos, q_seq, k_seq, k_pos = [], [], [], [], [], [], []
+        for i, (sid, n, c) in enumerate(zip(sids, lengths, self.counts)):
+            cached_slots += slot_mapping(cache.block_table(sid), 0, n, bs)  # its cached keys, in the pool
+            cached_at += range(cu_k[i], cu_k[i] + n)  # ...and where they go in the row of keys
+            new_at += range(cu_k[i] + n, cu_k[i + 1])  # its new keys come right after them
+            q_pos += range(n, n + c)
+            q_seq += [i] * c
+            k_seq += [i] * (n + c)
+            k_pos += range(n + c)
+        def as_long(xs: list[int]) -> torch.Tensor:  # host ints to the device: a copy there, never a read back
+            return torch.tensor(xs, dtype=torch.long, device=device)
+
+        self.cached_slots, self.cached_at, self.new_at = as_long(cached_slots), as_long(cached_at), as_long(new_at)
+        self._positions = as_long(q_pos)[None]  # (1, N)
+        same = as_long(q_seq)[:, None] == as_long(k_seq)[None, :]  # (N, K): the same sequence
+        self._mask = (same & (as_long(k_pos)[None, :] <= as_long(q_pos)[:, None]))[None, None]  # (1, 1, N, K)
+
+    # -- where the tokens sit and what they see ------------------------------------------------
+    def _check_tokens(self, tokens: torch.Tensor | None) -> None:
+        if tokens is not None and tuple(tokens.shape) != (1, self.N):
+            raise ValueError(f"this packed step holds {self.N} new tokens ({self.counts} per sequence) as one row "
+                             f"(1, {self.N}), got tokens of shape {tuple(tokens.shape)}")
+
+    def positions(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``(1, N)`` RoPE positions: sequence ``i``'s new tokens sit at ``start[i], start[i] + 1, ...``."""
+        self._check_tokens(tokens)
+        return self._positions
+
+    def mask(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``(1, 1, N, K)`` bool: a query sees the keys of its own sequence up to itself, no other's."""
+        self._check_tokens(tokens)
+        return self._mask
+
+    # -- the Cache protocol ----------------------------------------------------------------------
+    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.staged[layer]  # (1, H, N, D)
+        out = []
+        for pool, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
+            _, _, H, D = pool.shape
+            row = torch.empty(self.K, H, D, dtype=pool.dtype, device=pool.device)  # (K, H, D)
+            if len(self.cached_slots):
+                row[self.cached_at] = pool.view(-1, H, D)[self.cached_slots]  # every cached key, one gather
+            row[self.new_at] = new[0].transpose(0, 1)  # (N, H, D): each sequence's new keys after its own
+            out.append(row.transpose(0, 1)[None])  # (1, H, K, D)
+        return out[0], out[1]
+
+    def update(self, key_states, value_states, layer_idx):
+        self.validate_update(key_states, value_states, layer_idx)
+        if key_states.shape[2] != self.N:
+            raise ValueError(f"this packed step holds {self.N} new tokens ({self.counts} per sequence) but update "
+                             f"got {key_states.shape[2]}")
+        self._stage(key_states, value_states, layer_idx)
+        return self._read(layer_idx)
+
+    def new_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.staged[layer]
+        return k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, H, D): already sequence by sequence
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.K if self.staged[layer_idx] is not None else self.K - self.N
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.staged[layer_idx] is None else self._read(layer_idx)

@@ -9,7 +9,9 @@
 * ``with cache.step(sids, tokens) as batch: logits = model(tokens, batch)`` runs one
   forward over several sequences of different lengths. The `PagedBatch` is an
   ordinary `kvlib.Cache` (in `kvlib.paged.batch`): it gathers each sequence's keys
-  through its table and supplies every sequence's own positions and causal mask. The step is
+  through its table and supplies every sequence's own positions and causal mask.
+  ``cache.step(sids, rows, packed=True)`` takes rows of different lengths and runs them
+  as one packed row, a `PackedPagedBatch` (the serving engine's step). The step is
   *committed* (blocks reserved, the new K/V written into their slots, full blocks
   sealed) when the ``with`` block ends without an error, or by ``batch.commit()``;
   a forward that raises halfway leaves the cache exactly as it was. Committing is the
@@ -28,14 +30,15 @@ import torch
 
 from ..config import ModelConfig
 from ..validate import positive_int
-from .batch import PagedBatch, gather, slot_mapping
+from .batch import PackedPagedBatch, PagedBatch, gather, slot_mapping
 from .blocks import BlockAllocator, OutOfBlocks, chain_hash
 
 __all__ = ["PagedCache"]
 
 
-def _token_rows(tokens: torch.Tensor | Sequence[Sequence[int]], batch: int) -> list[list[int]]:
-    """``(batch, T)`` token ids as lists of ints (a tensor is read back to the host once)."""
+def _token_rows(tokens: torch.Tensor | Sequence[Sequence[int]], batch: int, ragged: bool = False) -> list[list[int]]:
+    """``(batch, T)`` token ids as lists of ints (a tensor is read back to the host once). With
+    ``ragged`` the rows may differ in length (a packed step), each holding at least one token."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be int ids, got {tokens.dtype}")
@@ -45,9 +48,14 @@ def _token_rows(tokens: torch.Tensor | Sequence[Sequence[int]], batch: int) -> l
         bad = [t for r in rows for t in r if not isinstance(t, int) or isinstance(t, bool)]
         if bad:
             raise TypeError(f"tokens must be int ids, got {type(bad[0]).__name__} {bad[0]!r}")
-    if rows is None or len(rows) != batch or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
-        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else [len(r) for r in rows]
-        raise ValueError(f"tokens must be (batch={batch}, T >= 1), got {got}")
+    lengths = None if rows is None else [len(r) for r in rows]
+    if ragged and (rows is None or len(rows) != batch or min(lengths, default=0) < 1):
+        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else lengths
+        raise ValueError(f"a packed step takes one non-empty token list per sequence ({batch}), got lengths {got}")
+    if not ragged and (rows is None or len(rows) != batch or not rows[0] or any(n != lengths[0] for n in lengths)):
+        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else lengths
+        raise ValueError(f"tokens must be (batch={batch}, T >= 1), got {got}; steps of different lengths "
+                         "go in one packed step: step(sids, rows, packed=True)")
     return rows
 
 
@@ -218,12 +226,18 @@ class PagedCache:
         block = seq.blocks[i]  # partly filled, or the sealed block a fully cached prompt ends inside
         return self.allocator.refcount[block] == 1 and not self.allocator.is_sealed(block)
 
-    def blocks_needed(self, sids: Sequence[int], n_new: int) -> int:
-        """Blocks ``step(sids, ...)`` with ``n_new`` tokens each would take from the free list."""
+    def blocks_needed(self, sids: Sequence[int], n_new: int | Sequence[int]) -> int:
+        """Blocks a step that appends ``n_new`` tokens to each of ``sids`` would take from the free
+        list; ``n_new`` is one count for all, or one per sequence (a packed step)."""
+        counts = [n_new] * len(sids) if isinstance(n_new, int) else list(n_new)
+        if len(counts) != len(sids):
+            raise ValueError(f"{len(counts)} token counts for {len(sids)} sequences")
         need, tails = 0, {}
-        for sid in sids:
+        for sid, n in zip(sids, counts):
             seq = self._seq(sid)
-            want = -(-(len(seq.tokens) + n_new) // self.block_size)  # ceil
+            if n <= 0:
+                continue  # writes nothing: takes nothing
+            want = -(-(len(seq.tokens) + n) // self.block_size)  # ceil
             need += max(want - len(seq.blocks), 0)
             i = len(seq.tokens) // self.block_size
             if i < len(seq.blocks):
@@ -251,13 +265,18 @@ class PagedCache:
         while len(seq.blocks) * self.block_size < len(seq.tokens) + n_new:
             seq.blocks.append(self.allocator.allocate())
 
-    def step(self, sids: Sequence[int], tokens: torch.Tensor | Sequence[Sequence[int]]) -> PagedBatch:
-        """The `Cache` one model forward runs against, for ``tokens`` ``(B, T)`` after sequences ``sids``.
+    def step(
+        self, sids: Sequence[int], tokens: torch.Tensor | Sequence[Sequence[int]], *, packed: bool = False
+    ) -> PagedBatch | PackedPagedBatch:
+        """The `Cache` one model forward runs against, for ``tokens`` after sequences ``sids``.
 
-        The sequences may hold different numbers of tokens: the batch supplies each
-        one's positions and mask. Use it as ``with cache.step(sids, tokens) as batch:``
-        so the step is committed when the forward succeeds. Raises `OutOfBlocks`,
-        before anything changes, if the pool cannot hold the step.
+        ``tokens`` is ``(B, T)``: the sequences may hold different numbers of tokens, and
+        the `PagedBatch` supplies each one's positions and mask. With ``packed=True`` it
+        is one token list per sequence, of any lengths (a decode token for one, a prompt
+        chunk for another), and the `PackedPagedBatch` runs them as one row ``(1, N)``.
+        Use it as ``with cache.step(sids, tokens) as batch:`` so the step is committed when
+        the forward succeeds. Raises `OutOfBlocks`, before anything changes, if the pool
+        cannot hold the step.
         """
         self._settle()
         sids = list(sids)
@@ -265,12 +284,15 @@ class PagedCache:
             raise ValueError("step needs at least one sequence")
         if len(set(sids)) != len(sids):
             raise ValueError(f"a sequence appears twice in one step: {sids}")
+        if not isinstance(packed, bool):
+            raise TypeError(f"packed must be True or False, got {packed!r}")
         seqs = [self._seq(s) for s in sids]
-        rows = _token_rows(tokens, len(sids))  # host ints: the tables and the prefix index live on the host
-        need = self.blocks_needed(sids, len(rows[0]))
+        rows = _token_rows(tokens, len(sids), ragged=packed)  # host ints: the tables and prefix index live on the host
+        need = self.blocks_needed(sids, [len(r) for r in rows])
         if need > self.allocator.num_free:
             raise OutOfBlocks(f"this step needs {need} blocks but only {self.allocator.num_free} are free")
-        self._open = PagedBatch(self, sids, rows, [len(s.tokens) for s in seqs])
+        layout = PackedPagedBatch if packed else PagedBatch
+        self._open = layout(self, sids, rows, [len(s.tokens) for s in seqs])
         return self._open
 
     def _settle(self) -> None:
@@ -283,30 +305,31 @@ class PagedCache:
                 "or call batch.commit() after the forward"
             )
 
-    def _commit(self, batch: PagedBatch) -> None:
-        """Store a finished step (only `PagedBatch.commit` calls this): reserve its slots
-        (copy-on-write, new blocks), write its K/V into them, extend the token lists and seal
-        full blocks. Every check runs before the first change, so a refused commit (twice,
-        incomplete, stale, or a batch of another cache) leaves the cache byte for byte as it was."""
+    def _commit(self, batch: PagedBatch | PackedPagedBatch) -> None:
+        """Store a finished step (only the batch's ``commit`` calls this): reserve its slots
+        (copy-on-write, new blocks), write each sequence's new K/V into them, extend the token
+        lists and seal full blocks. Every check runs before the first change, so a refused commit
+        (twice, incomplete, stale, or a batch of another cache) leaves the cache byte for byte as it was."""
         batch._check_fresh()  # not committed yet, and no table changed since it was made
         if batch.cache is not self or self._open is not batch:
-            raise ValueError("this PagedBatch is not the open step of this cache; call PagedCache.step again")
+            raise ValueError(f"this {type(batch).__name__} is not the open step of this cache; "
+                             "call PagedCache.step again")
         missing = [i for i, s in enumerate(batch.staged) if s is None]
         if missing:
             raise ValueError(f"cannot commit a step whose layers {missing} were never written")
-        if self.blocks_needed(batch.sids, batch.T) > self.allocator.num_free:
+        if self.blocks_needed(batch.sids, batch.counts) > self.allocator.num_free:
             raise OutOfBlocks("the pool no longer has room for this step")  # unreachable unless stale
         seqs = [self.seqs[s] for s in batch.sids]
-        for seq in seqs:
-            self._reserve(seq, batch.T)
-        bs, T = self.block_size, batch.T
-        slots = torch.tensor(
-            [slot_mapping(seq.blocks, n, n + T, bs) for seq, n in zip(seqs, batch.start)], device=self.device
-        ).view(-1)  # (B * T,): where each new token goes
-        for layer, (k, v) in enumerate(batch.staged):
-            B, H, _, D = k.shape
-            self.keys[layer].view(-1, H, D)[slots] = k.transpose(1, 2).reshape(B * T, H, D)  # (slots, H, D)
-            self.values[layer].view(-1, H, D)[slots] = v.transpose(1, 2).reshape(B * T, H, D)
+        for seq, c in zip(seqs, batch.counts):
+            self._reserve(seq, c)
+        bs = self.block_size
+        slots = [slot_mapping(seq.blocks, n, n + c, bs) for seq, n, c in zip(seqs, batch.start, batch.counts)]
+        slots = torch.tensor([s for row in slots for s in row], device=self.device)  # (N,): where each new token goes
+        for layer in range(self.n_layer):
+            k, v = batch.new_kv(layer)  # (N, H, D) each
+            H, D = k.shape[1:]
+            self.keys[layer].view(-1, H, D)[slots] = k
+            self.values[layer].view(-1, H, D)[slots] = v
         for seq, new in zip(seqs, batch.new_tokens):
             before = len(seq.tokens)
             seq.tokens.extend(new)
