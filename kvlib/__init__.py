@@ -38,9 +38,9 @@ _LAZY_NAMES = {
 }
 # The submodules a chapter reaches as kvlib.<name> (the core ones above are loaded already).
 _SUBMODULES = (
-    "bench", "book", "chat", "check", "cost", "data", "engine", "evaluate", "evict", "gqa", "hardware", "hf",
-    "kernels", "memory", "mla", "packed", "paged", "pretrained", "quant", "radix", "simulate", "speculative",
-    "timing", "validate", "wquant",
+    "bench", "book", "chat", "check", "cost", "crosscheck", "data", "engine", "evaluate", "evict", "gqa",
+    "hardware", "hf", "kernels", "memory", "mla", "packed", "paged", "pretrained", "quant", "radix", "scheduler",
+    "simulate", "speculative", "timing", "validate", "wquant",
 )
 
 

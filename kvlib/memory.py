@@ -125,6 +125,29 @@ def max_batch(config: ModelConfig, memory_bytes: int, seq_len: int, dtype: str |
     return max_tokens(config, memory_bytes, dtype) // seq_len
 
 
+def pool_capacity(
+    config: ModelConfig, memory_bytes: int, max_len: int, block_size: int = 16, dtype: str | int = DEFAULT_DTYPE
+) -> tuple[int, int, float]:
+    """``(blocks, tokens, max concurrency)`` of a paged pool of ``memory_bytes``, the way vLLM sizes it.
+
+    A block holds ``block_size`` tokens of every layer's keys and values, so the pool
+    has ``memory_bytes // (block_size * kv_bytes_per_token)`` blocks. One request of
+    ``max_len`` tokens needs ``ceil(max_len / block_size)`` of them; *max concurrency*
+    is the blocks over that, and *tokens* is concurrency times ``max_len``, truncated.
+    These are the two numbers of vLLM's start-up line "KV cache size: N tokens, Maximum
+    concurrency for L tokens per request: Xx" (vLLM 0.32: ``get_kv_cache_config_from_groups``,
+    ``get_max_concurrency_for_kv_cache_config`` and ``get_kv_cache_capacity`` in
+    ``vllm/v1/core/kv_cache_utils.py``). vLLM then keeps one block back as its null
+    block, so requests share ``blocks - 1``.
+    """
+    int_at_least("memory_bytes", memory_bytes, 0)
+    positive_int("max_len", max_len)
+    positive_int("block_size", block_size)
+    blocks = memory_bytes // (block_size * kv_bytes_per_token(config, dtype))
+    concurrency = blocks / -(-max_len // block_size)
+    return blocks, int(concurrency * max_len), concurrency
+
+
 def table(names: list[str] | None = None, seq_len: int = 4096, batch: int = 1, dtype: str | int = DEFAULT_DTYPE) -> list[dict]:
     """One row per preset: parameters, weight GiB, cache KiB per token, cache GiB at ``batch x seq_len``."""
     rows = []

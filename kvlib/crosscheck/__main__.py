@@ -1,0 +1,69 @@
+"""``python -m kvlib.crosscheck``: run vLLM and kvlib on the same work, compare, write the record.
+
+    python -m kvlib.crosscheck [--python VLLM_PY] [--json OUT] [--against RECORD] [--only NAME ...]
+    python -m kvlib.crosscheck export DIR   # SmolLM2 in Hugging Face format, for vLLM (run with vLLM's python)
+
+Exits 1 if any check fails, or if ``--against`` finds a token, count or step that
+differs from the stored record (timings may differ: they are not compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import vllm_python
+from .driver import export, run
+from .workload import scenarios, serving_prompts, spec_prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        if len(argv) != 2:
+            print(__doc__, file=sys.stderr)
+            return 2
+        export(argv[1])
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m kvlib.crosscheck", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", type=Path, default=None, help="vLLM's interpreter (default: .venv-vllm)")
+    ap.add_argument("--json", type=Path, default=None, help="write the record here")
+    ap.add_argument("--against", type=Path, default=None, help="a stored record the tokens and counts must match")
+    ap.add_argument("--only", nargs="*", default=None, help="scenarios to run (default: all)")
+    args = ap.parse_args(argv)
+    python = args.python or vllm_python()
+    if python is None:
+        print("no vLLM environment: run `make vllm` first (or pass --python)", file=sys.stderr)
+        return 2
+
+    from .. import data
+    from ..pretrained import load_smollm2
+    from .compare import Check
+
+    model, tok = load_smollm2()
+    text_ids = tok.encode(data.tiny_shakespeare("all"))
+    work = [s for s in scenarios(model.config, text_ids, spec_prompts(tok), serving_prompts(tok))
+            if not args.only or s["name"] in args.only]
+    record = run(model, work, python, log=lambda line: print(line, flush=True))
+    checks = [Check(**c) for c in record["checks"]]
+    for c in checks:
+        print(f"[{c.status:6s}] {c.name}: vLLM {c.vllm} | kvlib {c.kvlib}\n          {c.detail}")
+    failed = [c.name for c in checks if c.status == "fail"]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+    if args.against:
+        old, new = _facts(json.loads(args.against.read_text())), _facts(record)
+        moved = sorted(str(k) for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if moved:
+            print(f"differs from {args.against}: {moved[:10]}", file=sys.stderr)
+            failed.append("against the stored record")
+    print(f"{len(checks)} checks, {len(failed)} failed, in {record['seconds']:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# `make vllm`: vLLM's CPU build in a virtual environment of its own (it pins transformers<5.20; the book pins 5.24),
+# with kvlib installed editable beside it, and SmolLM2 written in Hugging Face format (vLLM does not read our GGUF).
+# Usage: scripts/vllm_env.sh [VENV]   (default .venv-vllm). Safe to run again: it only adds what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv-vllm}"
+py="$venv/bin/python"
+if [ ! -x "$py" ]; then
+  python -m venv "$venv"
+fi
+# Exactly the tried set, and nothing it does not list (see requirements-vllm.txt for why --no-deps).
+"$py" -m pip install -q --no-deps -r requirements-vllm.txt
+"$py" -m pip install -q --no-deps -e .
+"$py" -c "import vllm, kvlib.crosscheck.vllm_side; print('vLLM', vllm.__version__, 'imports')"
+if [ ! -f "$venv/smollm2-hf/config.json" ]; then
+  "$py" -m kvlib.crosscheck export "$venv/smollm2-hf"
+fi
