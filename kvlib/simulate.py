@@ -310,7 +310,8 @@ def simulate(
     at admission (first fit). ``paged`` takes ``block_size``-slot blocks as tokens
     arrive and, when none is free, preempts the newest request (recomputed later); it
     admits a request only if ``watermark`` of the blocks stay free for the others to grow
-    (vLLM's default is 1%).
+    (1% here, as vLLM's first engine, V0, did by default; vLLM 0.32 keeps the knob,
+    ``--watermark``, at 0).
 
     ``snapshot`` picks the step whose `SimResult.memory_map` is kept, as a fraction of
     the saturated period.

@@ -29,7 +29,7 @@ imports torch but not transformers (only (c) and (g) load it).
 
 from .cli import main
 from .compiled import compiled_step
-from .generation import bench_decode, bench_generation
+from .generation import bench_chunked_prefill, bench_decode, bench_generation, pauses_while_prefilling
 from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2, race_hf
 from .plan import FULL, PROMPT_TEXT, QUICK, Plan, prompt_ids
 from .precision import precision_ladder, scored
@@ -52,6 +52,8 @@ __all__ = [
     "split_vs_sdpa",
     # (i)
     "compiled_step",
+    # (j)
+    "bench_chunked_prefill", "pauses_while_prefilling",
     # the report and the command line
     "load_average", "machine_info", "header", "table_rows", "targets", "print_report", "json_ready", "main",
 ]

@@ -21,7 +21,7 @@ from ..data import tiny_shakespeare
 from ..pretrained import load_smollm2
 from ..validate import positive_int
 from .compiled import compiled_step
-from .generation import bench_decode, bench_generation
+from .generation import bench_chunked_prefill, bench_decode, bench_generation
 from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2
 from .plan import FULL, QUICK, prompt_ids
 from .precision import precision_ladder
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--threads", type=_threads, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile on the decode step (slow)")
+    p.add_argument("--chunked", action="store_true",
+                   help="also time the engine's pauses while a 1,000-token prompt is chunked in")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:
             print("(i) torch.compile on the decode step ...", flush=True)
             r["compile"] = compiled_step(model, ids, plan.contexts[0], plan.decode_steps)
+        if args.chunked:
+            print("(j) chunked prefill: pauses of running sequences ...", flush=True)
+            r["chunked"] = bench_chunked_prefill(model, tok.encode(tiny_shakespeare("val")))
         print(flush=True)
     r["machine"]["loadavg_end"] = load_average()
     r["targets"] = targets(r, plan)

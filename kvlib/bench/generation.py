@@ -11,17 +11,26 @@ bandwidth-bound (a one-row product reads every weight for a single multiply-add)
 about 540 MB of fp32 weights whatever the context, and a thousand cached tokens add
 under 50 MB of keys and values (`kvlib.cost.decode_bytes_per_token`), so the step should
 slow down only a little: its ratio to the shortest context stays near 1.
+
+Chunked prefill in the engine (`pauses_while_prefilling`, `bench_chunked_prefill`): while
+a long prompt goes in chunk by chunk, how long do the running sequences wait between two
+tokens? Each step is one forward of their decode tokens and one chunk, so the longest
+pause should be a step of ``token_budget`` tokens, a few plain decode steps, not the
+whole prompt's prefill.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
 from .. import cost, timing
+from ..engine import Engine
 from ..generate import generate, generate_naive
 from ..model import Transformer
+from ..paged import PagedCache
 from .plan import Plan
 
 
@@ -56,3 +65,58 @@ def bench_decode(model: Transformer, ids: torch.Tensor, plan: Plan) -> dict:
             times[c].append(timing.timeit(step, warmup=0, repeats=1)["median"])
     first = statistics.median(times[plan.contexts[0]])
     return {str(c): {"ms": 1e3 * statistics.median(t), "ratio": statistics.median(t) / first} for c, t in times.items()}
+
+
+def pauses_while_prefilling(engine, prompts: list[list[int]], long_prompt: list[int], new_tokens: int,
+                            warm_steps: int = 3) -> dict:
+    """Run ``prompts`` until every one decodes (then ``warm_steps`` more), add ``long_prompt``,
+    and step until it emits its first token.
+
+    ``engine`` is a `kvlib.Engine` (or anything with its ``add``, ``step`` and ``requests``).
+    Returns, in ms, the longest and the median pause between two tokens of a running sequence
+    during that prefill, the median pause before it (a plain decode step) and their ratio; the
+    steps the long prompt took, the model forwards they ran (counted by a forward pre-hook), and
+    every request's tokens (run to the end).
+    """
+    rids = [engine.add(p, new_tokens) for p in prompts]
+    seqs = [engine.requests[r].seqs[0] for r in rids]
+    while not all(s.output for s in seqs):
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+    forwards = []
+    hook = engine.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        rid, arrived = engine.add(long_prompt, 4), time.perf_counter()
+        steps = 0
+        while not engine.requests[rid].seqs[0].output:
+            engine.step()
+            steps += 1
+    finally:
+        hook.remove()
+    first = engine.requests[rid].seqs[0].times[0]
+    during = [b - a for s in seqs for a, b in zip(s.times, s.times[1:]) if arrived < b <= first]
+    before = [b - a for s in seqs for a, b in zip(s.times, s.times[1:]) if b < arrived]
+    out = engine.run()
+    decode_ms = 1e3 * statistics.median(before)
+    return {"max_pause_ms": 1e3 * max(during), "median_pause_ms": 1e3 * statistics.median(during),
+            "decode_step_ms": decode_ms, "pause_ratio": 1e3 * max(during) / decode_ms, "prefill_steps": steps,
+            "forwards_per_step": len(forwards) / steps, "tokens": [out[r][0] for r in rids + [rid]]}
+
+
+def bench_chunked_prefill(model: Transformer, text_ids: list[int], *, running: int = 8, prompt_len: int = 24,
+                          long_len: int = 1000, token_budget: int = 256, block_size: int = 32,
+                          new_tokens: int = 48) -> dict:
+    """`pauses_while_prefilling` for ``running`` sequences (prompts of ``prompt_len`` tokens cut from
+    ``text_ids``) while a ``long_len``-token prompt arrives, under ``token_budget`` tokens a step."""
+    need = running * prompt_len + long_len
+    if len(text_ids) < need:
+        raise ValueError(f"text_ids holds {len(text_ids)} tokens; {running} prompts of {prompt_len} and one of "
+                         f"{long_len} need {need}")
+    prompts = [text_ids[i * prompt_len : (i + 1) * prompt_len] for i in range(running)]
+    long_prompt = text_ids[running * prompt_len : need]
+    blocks = running * -(-(prompt_len + new_tokens) // block_size) + -(-(long_len + 4) // block_size) + 4
+    cache = PagedCache.for_model(model.config, num_blocks=blocks, block_size=block_size, dtype=model.dtype,
+                                 device=model.device)
+    engine = Engine(model, cache, token_budget=token_budget)
+    return pauses_while_prefilling(engine, prompts, long_prompt, new_tokens)

@@ -2,7 +2,7 @@
 
 `main` collects every section's results into one dict ``r`` (keys ``generation``,
 ``decode``, ``hf``, ``hf_bf16``, ``roofline``, ``same_bytes``, ``precision``, ``split_kv``
-and, with ``--compile``, ``compile``). This module only reads it:
+and, with ``--compile``, ``compile``; with ``--chunked``, ``chunked``). This module only reads it:
 
 * `machine_info` and `header`: versions, threads and the load average before and after,
   because a CPU shared with other processes gives noisy numbers;
@@ -95,6 +95,11 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
         c = r["compile"]
         rows.append(("compile", f"decode, context {plan.contexts[0]}", f"compiled {c['compiled_ms']:.1f} ms",
                      f"eager {c['eager_ms']:.1f} ms", f"{c['speedup']:.2f}x", f"compiling took {c['compile_s']:.0f} s"))
+    if "chunked" in r:  # (j)
+        c = r["chunked"]
+        rows.append(("chunked", f"{c['prefill_steps']} steps, {c['forwards_per_step']:.0f} forward each",
+                     f"longest pause {c['max_pause_ms']:.0f} ms", f"decode step {c['decode_step_ms']:.0f} ms",
+                     f"{c['pause_ratio']:.1f}x", "running sequences while a long prompt is chunked in"))
     f = r["roofline"]  # (d), last: it reads the decode steps of (b) against the matvec ceilings
     big, small = f"{MATVEC_BIG}x{MATVEC_BIG}", f"{MATVEC_SMALL[0]}x{MATVEC_SMALL[1]}"
     for name, label in (("big", big), ("small", f"{MATVEC_COUNT} x {small}")):
