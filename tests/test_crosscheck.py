@@ -18,7 +18,7 @@ CHECKS = {  # every comparison issue 27 asks for, by the name the record gives i
     "prefix caching: tokens", "chunked prefill: step of each first token", "chunked prefill: tokens",
     "preemption: count", "preemption: tokens", "fp8 cache: agreement with fp32", "n-gram speculation: tokens",
     "n-gram speculation: accepted/proposed", "throughput", "compiled: tokens", "serving: tokens",
-    "serving: cached tokens", "serving: preemptions",
+    "serving: cached tokens", "serving: preemptions", "schedule: engine steps per phase",
 }
 
 
@@ -110,6 +110,7 @@ def _first(r, side, scenario, phase=0):
     (lambda r: r["kvlib"]["small"]["phases"][1]["counters"].__setitem__("preemptions", 0), "preemption: count"),
     (lambda r: r["vllm"]["mixed"]["cache_config"].__setitem__("num_gpu_blocks", 727), "mixed: capacity"),
     (lambda r: r["vllm"]["mixed"].__setitem__("error", "ValueError: no"), "mixed: vLLM starts"),
+    (lambda r: r["kvlib"]["small"]["phases"][1].__setitem__("steps", 141), "schedule: engine steps per phase"),
 ])
 def test_compare_fails_a_record_where_the_engines_disagree(record, mutate, check):
     assert _checks(record, mutate)[check] == "fail"

@@ -92,6 +92,14 @@ def compare(config: ModelConfig, scenarios: list[dict], vllm: dict[str, dict], k
             f"vLLM's log line against kvlib.memory.pool_capacity for {s['kv_cache_memory_bytes']:,} bytes, "
             f"block size {s['block_size']}, max_model_len {s['max_model_len']}"))
 
+    steps = {n: ([p["steps"] for p in vllm[n]["phases"]], [p["steps"] for p in kvlib[n]["phases"]])
+             for n in ("mixed", "small", "serving") if "phases" in vllm.get(n, {}) and "phases" in kvlib.get(n, {})}
+    if steps:
+        checks.append(_same("schedule: engine steps per phase", {n: v for n, (v, _) in steps.items()},
+                            {n: k for n, (_, k) in steps.items()},
+                            "LLMEngine.step() calls against Engine.step() calls until each phase is served: "
+                            "the two schedulers make the same steps"))
+
     v, k = vllm.get("mixed", {}), kvlib.get("mixed", {})
     if "phases" in v and "phases" in k:
         checks.append(_tokens("tokens", v["phases"][0]["requests"], k["phases"][0]["requests"],
