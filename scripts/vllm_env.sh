@@ -14,5 +14,6 @@ fi
 "$py" -m pip install -q --no-deps -e .
 "$py" -c "import vllm, kvlib.crosscheck.vllm_side; print('vLLM', vllm.__version__, 'imports')"
 if [ ! -f "$venv/smollm2-hf/config.json" ]; then
-  "$py" -m kvlib.crosscheck export "$venv/smollm2-hf"
+  # A conversion cache of its own: the book's (~/.cache/kvlib) is made by the book's transformers
+  KVLIB_CACHE_DIR="$venv/kvlib-cache" "$py" -m kvlib.crosscheck export "$venv/smollm2-hf"
 fi
