@@ -121,3 +121,24 @@ def test_the_vllm_environment_can_be_switched_off(monkeypatch, tmp_path):
     assert vllm_python() is None
     monkeypatch.setenv("KVLIB_VLLM_PYTHON", str(tmp_path / "python"))
     assert vllm_python() == tmp_path / "python"
+
+
+def test_against_a_record_finds_what_moved(record):
+    """`--against`: a token, a hit or a first step that moved between two runs is named; timings are not."""
+    from kvlib.crosscheck.__main__ import _facts
+
+    same = copy.deepcopy(record)
+    same["vllm"]["mixed"]["phases"][0]["seconds"] *= 2  # a timing: not a fact
+    assert _facts(same) == _facts(record)
+    moved = copy.deepcopy(record)
+    _first(moved, "vllm", "serving", 1)["cached_tokens"] += 32
+    assert {k for k in _facts(record) if _facts(record)[k] != _facts(moved).get(k)} == {
+        ("vllm", "serving", 1, sorted(moved["vllm"]["serving"]["phases"][1]["requests"])[0])}
+
+
+def test_the_command_says_how_to_get_vllm_when_there_is_none(monkeypatch, capsys):
+    from kvlib.crosscheck.__main__ import main
+
+    monkeypatch.setenv("KVLIB_VLLM_PYTHON", "off")
+    assert main([]) == 2
+    assert "make vllm" in capsys.readouterr().err

@@ -19,6 +19,21 @@ from .driver import export, run
 from .workload import scenarios, serving_prompts, spec_prompts
 
 
+DETERMINISTIC = ("tokens", "cached_tokens", "first_step")
+
+
+def _facts(record: dict) -> dict:
+    """What must not change between runs: every request's tokens, hits and first step, and each check's status."""
+    out = {}
+    for side in ("vllm", "kvlib"):
+        for name, res in record[side].items():
+            for i, phase in enumerate(res.get("phases", [])):
+                for rid, r in phase["requests"].items():
+                    out[side, name, i, rid] = tuple(json.dumps(r.get(k)) for k in DETERMINISTIC)
+    out["checks"] = tuple((c["name"], c["status"]) for c in record["checks"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:

@@ -51,21 +51,6 @@ def run_vllm(python: Path, scenario: dict, model_dir: Path, timeout: int = 900) 
         return result
 
 
-DETERMINISTIC = ("tokens", "cached_tokens", "first_step")
-
-
-def _facts(record: dict) -> dict:
-    """What must not change between runs: every request's tokens, hits and first step, and each check's status."""
-    out = {}
-    for side in ("vllm", "kvlib"):
-        for name, res in record[side].items():
-            for i, phase in enumerate(res.get("phases", [])):
-                for rid, r in phase["requests"].items():
-                    out[side, name, i, rid] = tuple(json.dumps(r.get(k)) for k in DETERMINISTIC)
-    out["checks"] = tuple((c["name"], c["status"]) for c in record["checks"])
-    return out
-
-
 def run(model: Transformer, scenarios: list[dict], python: Path | None = None, model_dir: Path | None = None, *,
         log=None) -> dict:
     """Every scenario through kvlib (2 threads) and then vLLM (``OMP_NUM_THREADS=2``), one after
