@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib import DynamicCache, ModelConfig, Transformer
 from kvlib.attention import attention_mask, grouped_attention
+from kvlib.packed import packed_mask
 from kvlib.paged import BlockAllocator, OutOfBlocks
 from kvlib.engine import Engine
 from kvlib.paged import PagedCache, gather, paged_attention_loop, slot_mapping
@@ -730,6 +731,7 @@ def test_packed_paged_step_equals_contiguous_attention_and_the_rectangular_step(
         assert b.positions().tolist() == [[3, 9, 10, 11, 12, 6, 7]]  # each continues from its own length
         assert b.cu_seqlens_q.tolist() == [0, 1, 5, 7] and b.cu_seqlens_k.tolist() == [0, 4, 17, 25]
         assert b.mask().shape == (1, 1, 7, 25) and b.get_seq_length() == 18
+        assert torch.equal(b.mask()[0, 0], packed_mask(b.cu_seqlens_q, b.cu_seqlens_k))  # kvlib.packed's picture
         got = tiny(ids, b)[0]  # (7, vocab); the batch supplies positions and mask
     starts = [0, 1, 5]
     for r, rc, s0, sid in zip(rows, refs, starts, sids):

@@ -17,11 +17,13 @@ A step can be laid out two ways:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..cache import Cache, CacheSpec
+from ..packed import cu_seqlens
 
 if TYPE_CHECKING:
     from .cache import PagedCache
@@ -227,12 +229,9 @@ class PackedPagedBatch(_Step):
         totals = [n + c for n, c in zip(lengths, self.counts)]  # keys of each sequence after this step
         self.N, self.K = sum(self.counts), sum(totals)
         self.longest = max(totals)  # the longest sequence, which the model's max_seq_len bounds (not the row)
-        cu_q, cu_k = [0], [0]
-        for c, t in zip(self.counts, totals):
-            cu_q.append(cu_q[-1] + c)
-            cu_k.append(cu_k[-1] + t)
-        self.cu_seqlens_q = torch.tensor(cu_q, dtype=torch.int32, device=device)  # (B + 1,)
-        self.cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32, device=device)  # (B + 1,)
+        self.cu_seqlens_q = cu_seqlens(self.counts, device=device)  # (B + 1,)
+        self.cu_seqlens_k = cu_seqlens(totals, device=device)  # (B + 1,)
+        cu_k = list(accumulate(totals, initial=0))  # the same boundaries as host ints
         bs = cache.block_size
         cached_slots, cached_at, new_at, q_pos, q_seq, k_seq, k_pos = [], [], [], [], [], [], []
         for i, (sid, n, c) in enumerate(zip(sids, lengths, self.counts)):
