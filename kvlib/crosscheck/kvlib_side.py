@@ -24,7 +24,7 @@ from ..model import Transformer
 from ..paged import PagedCache
 from ..quant import FP8Cache
 from ..speculative import PromptLookupDraft, speculative_generate
-from .workload import block_bytes
+from .workload import WARMUP, block_bytes, prompt_of
 
 
 def _serve_phase(engine: Engine, phase: list[dict], done: dict) -> dict:
@@ -35,10 +35,7 @@ def _serve_phase(engine: Engine, phase: list[dict], done: dict) -> dict:
     while pending or not engine.finished:
         while pending and pending[0]["arrive"] <= step:
             r = pending.pop(0)
-            prompt = list(r["prompt"])
-            if "follow" in r:
-                prev = done[r["follow"]]
-                prompt = prev["prompt"] + prev["tokens"] + prompt
+            prompt = prompt_of(r, done)
             rid = engine.add(prompt, r["max_tokens"])
             seqs[r["id"]] = engine.requests[rid].seqs[0]
             records[r["id"]] = {"prompt": prompt, "tokens": [], "first_step": None, "arrive": r["arrive"]}
@@ -86,13 +83,15 @@ def run(scenario: dict, model: Transformer) -> dict:
     # vLLM's pool: the memory over one block's bytes, less block 0, which its BlockPool keeps as the
     # "null block" (vllm/v1/core/block_pool.py) and never hands to a request
     num_blocks = llm["kv_cache_memory_bytes"] // block_bytes(cfg, llm["block_size"]) - 1
-    cache = PagedCache.for_model(cfg, num_blocks=num_blocks, block_size=llm["block_size"], prefix_caching=True)
-    engine = Engine(model, cache, max_batch=llm["max_num_seqs"], token_budget=s["kvlib"]["token_budget"])
+    def fresh() -> Engine:
+        cache = PagedCache.for_model(cfg, num_blocks=num_blocks, block_size=llm["block_size"], prefix_caching=True)
+        return Engine(model, cache, max_batch=llm["max_num_seqs"], token_budget=s["kvlib"]["token_budget"])
+
+    engine = fresh()
     result["num_blocks"] = num_blocks
     if s.get("timed"):  # the same warm-up as vLLM's; its blocks are then forgotten with a fresh engine
-        _serve_phase(engine, [{"id": "warmup", "prompt": list(range(1, 33)), "max_tokens": 4, "arrive": 0}], {})
-        cache = PagedCache.for_model(cfg, num_blocks=num_blocks, block_size=llm["block_size"], prefix_caching=True)
-        engine = Engine(model, cache, max_batch=llm["max_num_seqs"], token_budget=s["kvlib"]["token_budget"])
+        _serve_phase(engine, [WARMUP], {})
+        engine = fresh()
     done: dict = {}
     result["phases"] = []
     for phase in s["phases"]:

@@ -10,8 +10,8 @@ phase; the resolved cache and scheduler settings. (vLLM's own log lines about th
 read from this process's output by `kvlib.crosscheck.driver.run_vllm`.)
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so one
-``step()`` is one scheduler step. It imports nothing of kvlib
-beyond this package, so it runs with vLLM's pinned transformers.
+``step()`` is one scheduler step. Of kvlib it needs only `kvlib.crosscheck.workload`, so
+it runs with vLLM's pinned transformers.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import os
 import sys
 import time
 import traceback
+
+from .workload import WARMUP, prompt_of
 
 
 def _counters(llm) -> dict[str, float]:
@@ -42,10 +44,7 @@ def _run_phase(llm, phase: list[dict], params_of, done: dict) -> dict:
     while pending or engine.has_unfinished_requests():
         while pending and pending[0]["arrive"] <= step:
             r = pending.pop(0)
-            prompt = list(r["prompt"])
-            if "follow" in r:  # a follow-up turn: the earlier prompt, its reply, then this text
-                prev = done[r["follow"]]
-                prompt = prev["prompt"] + prev["tokens"] + prompt
+            prompt = prompt_of(r, done)  # a follow-up turn: the earlier prompt, its reply, then this text
             records[r["id"]] = {"prompt": prompt, "tokens": [], "first_step": None, "arrive": r["arrive"]}
             engine.add_request(r["id"], TokensPrompt(prompt_token_ids=prompt), params_of(r))
         for out in engine.step():
@@ -86,8 +85,7 @@ def run(scenario: dict, model_dir: str) -> dict:
         "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
         "policy", "watermark", "async_scheduling")}
     if scenario.get("timed"):  # a warm-up request, then forget it: the timed phase starts cold-cached
-        _run_phase(llm, [{"id": "warmup", "prompt": list(range(1, 33)), "max_tokens": 4, "arrive": 0}],
-                   params_of, {})
+        _run_phase(llm, [WARMUP], params_of, {})
         llm.reset_prefix_cache()
     done: dict = {}
     result["phases"] = []

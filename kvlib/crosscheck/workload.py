@@ -28,6 +28,19 @@ def _request(rid: str, prompt: list[int], max_tokens: int, arrive: int = 0) -> d
     return {"id": rid, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens), "arrive": int(arrive)}
 
 
+WARMUP = _request("warmup", range(1, 33), 4)  # served, then forgotten, before a timed scenario
+
+
+def prompt_of(request: dict, done: dict) -> list[int]:
+    """The tokens a request sends: its own, after the earlier turn it follows (that turn's prompt
+    and the reply this engine gave it, from ``done``: request id -> record) if it is a follow-up."""
+    prompt = list(request["prompt"])
+    if "follow" in request:
+        prev = done[request["follow"]]
+        prompt = prev["prompt"] + prev["tokens"] + prompt
+    return prompt
+
+
 def mixed(text_ids: list[int], n: int = 16, new: int = 64) -> list[dict]:
     """``n`` prompts of 16 to 160 tokens, cut from different places of the text, all at step 0."""
     out = []
