@@ -25,34 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import invariant
 from .attention import AttentionImpl, attend, attention_mask
 from .cache import Cache
 from .config import ModelConfig
-from .validate import an_int, int_in_range
-
-
-def check_token_range(tokens: torch.Tensor, vocab_size: int) -> None:
-    """``IndexError`` naming the first id outside ``[0, vocab_size)``. Reads the values: on a GPU, a sync."""
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= vocab_size:
-        raise IndexError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
-
-
-def _positions_to_score(at: Sequence[int] | torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
-    """``logits_at`` as a ``(K,)`` long tensor on ``device``, every index in ``[0, T)``. Host ints are
-    checked here; a tensor's values only on the CPU (on a GPU, reading them would be a sync)."""
-    if isinstance(at, torch.Tensor):
-        if at.dim() != 1 or at.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"logits_at must be a (K,) int64/int32 tensor, got {at.dtype} {tuple(at.shape)}")
-        if at.device.type == "cpu" and len(at) and not (0 <= int(at.min()) and int(at.max()) < T):
-            raise IndexError(f"logits_at holds {int(at.min())}..{int(at.max())}, outside the {T} positions [0, {T})")
-        return at.to(device=device, dtype=torch.long)
-    if not isinstance(at, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in at):
-        raise TypeError(f"logits_at must be a list of int positions or a (K,) int tensor, got {at!r}")
-    bad = [i for i in at if not 0 <= i < T]
-    if bad:
-        raise IndexError(f"logits_at position {bad[0]} is outside the {T} positions [0, {T})")
-    return torch.tensor(at, dtype=torch.long, device=device)
+from .validate import an_int, check_token_range, int_in_range, positions_to_score
 
 
 class Linear(nn.Module):
@@ -66,11 +43,15 @@ class Linear(nn.Module):
     (``python -m kvlib.bench`` reports both ratios).
     """
 
+    batch_invariant = False  # set by Transformer.set_batch_invariant: every row by the same call
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant.linear(x, self.weight)
         return x @ self.weight
 
     def extra_repr(self) -> str:
@@ -78,12 +59,16 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    batch_invariant = False  # set by Transformer.set_batch_invariant: a fixed-order mean
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused call; same result as the lines below
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()  # normalise in fp32 even when the model runs in half precision
@@ -173,6 +158,8 @@ class MLP(nn.Module):
     ``[gate | up]``), and ``w_down``, a `Linear` with weight ``(d_ff, d_model)``.
     """
 
+    batch_invariant = False  # set by Transformer.set_batch_invariant: silu off the scalar tail
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w_gate_up = Linear(cfg.d_model, 2 * cfg.d_ff)  # columns [gate | up]
@@ -180,7 +167,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)  # SwiGLU
+        act = invariant.elementwise(F.silu, gate) if self.batch_invariant else F.silu(gate)
+        return self.w_down(act * up)  # SwiGLU
 
 
 class Block(nn.Module):
@@ -228,6 +216,7 @@ class Transformer(nn.Module):
             self.lm_head = Linear(config.d_model, config.vocab_size)
         if dtype is not None:
             self.to(dtype=dtype)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # set_batch_invariant's
         if self.lm_head.weight.device.type != "meta":
             self.reset_parameters()
 
@@ -315,7 +304,7 @@ class Transformer(nn.Module):
             raise ValueError(f"logits_to_keep must be in [0, {T}] for {T} tokens, got {logits_to_keep}")
         if last_only:
             logits_to_keep = 1
-        at = None if logits_at is None else _positions_to_score(logits_at, T, tokens.device)
+        at = None if logits_at is None else positions_to_score(logits_at, T, tokens.device)
         if at is not None and logits_to_keep:
             raise ValueError(f"pass logits_at or last_only/logits_to_keep, not both (logits_to_keep={logits_to_keep})")
         past = 0 if cache is None else cache.seq_len
@@ -328,7 +317,10 @@ class Transformer(nn.Module):
         positions = self._positions(tokens, cache, positions)
         mask = self._mask(tokens, cache, past, key_valid, mask)
 
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base, dtype=self.dtype)
+        if self._rope_table is not None:  # batch-invariant: one table, looked up
+            cos, sin = (t[positions].to(self.dtype) for t in self._rope_table)  # (B, T, D) each
+        else:
+            cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base, dtype=self.dtype)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): broadcast over heads
         x = self.embed(tokens)  # (B, T, d_model)
         for block in self.layers:
@@ -387,7 +379,22 @@ class Transformer(nn.Module):
         small = Transformer(self.config.replace(n_layer=n, name=f"{self.config.name} (first {n} layers)"), device="meta")
         small.tok_emb, small.norm, small.lm_head = self.tok_emb, self.norm, self.lm_head
         small.layers = nn.ModuleList(self.layers[:n])
+        small._rope_table = self._rope_table  # the shared blocks are batch-invariant if this model is
         return small.eval()
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether `set_batch_invariant` is on: every reduction in an order no batch can change."""
+        return self._rope_table is not None
+
+    def set_batch_invariant(self, on: bool = True) -> None:
+        """Make a sequence's logits bit-identical whatever it is batched, cached or chunked with.
+
+        Every `Linear` then multiplies row by row, `RMSNorm` and attention sum in a fixed
+        order, and RoPE reads one table (`kvlib.invariant` explains each). Slower, a prefill
+        most of all; ``on=False`` restores the fast kernels. Call it after moving the model.
+        """
+        invariant.switch(self, on, rope_cos_sin)
 
     def set_attention_impl(self, impl: str | Callable) -> None:
         """Choose every layer's attention: "sdpa" (fast), "reference" (readable), or a function.

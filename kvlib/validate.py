@@ -9,6 +9,9 @@ the argument's name and the value it got.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
+
+import torch
 
 
 def an_int(name: str, value: object) -> int:
@@ -53,3 +56,27 @@ def token_ids(what: str, tokens: object, vocab_size: int) -> list[int]:
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise IndexError(f"{what}: token ids must lie in [0, {vocab_size}), got min {min(ids)} max {max(ids)}")
     return ids
+
+
+def check_token_range(tokens: torch.Tensor, vocab_size: int) -> None:
+    """``IndexError`` naming the first id outside ``[0, vocab_size)``. Reads the values: on a GPU, a sync."""
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise IndexError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
+
+
+def positions_to_score(at: Sequence[int] | torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
+    """``logits_at`` as a ``(K,)`` long tensor on ``device``, every index in ``[0, T)``. Host ints are
+    checked here; a tensor's values only on the CPU (on a GPU, reading them would be a sync)."""
+    if isinstance(at, torch.Tensor):
+        if at.dim() != 1 or at.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"logits_at must be a (K,) int64/int32 tensor, got {at.dtype} {tuple(at.shape)}")
+        if at.device.type == "cpu" and len(at) and not (0 <= int(at.min()) and int(at.max()) < T):
+            raise IndexError(f"logits_at holds {int(at.min())}..{int(at.max())}, outside the {T} positions [0, {T})")
+        return at.to(device=device, dtype=torch.long)
+    if not isinstance(at, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in at):
+        raise TypeError(f"logits_at must be a list of int positions or a (K,) int tensor, got {at!r}")
+    bad = [i for i in at if not 0 <= i < T]
+    if bad:
+        raise IndexError(f"logits_at position {bad[0]} is outside the {T} positions [0, {T})")
+    return torch.tensor(at, dtype=torch.long, device=device)

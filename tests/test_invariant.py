@@ -1,0 +1,138 @@
+"""Batch-invariant mode: a sequence's logits are the same bits however it is run.
+
+The reference is the sequence alone, recomputed in one forward. Hypothesis draws the
+rest: how many other sequences run beside it and how long they are, whether they pad
+it (left padding) or share a packed row with it (a paged step), and how its tokens are
+split into prefill chunks and decode steps. Every way must give ``torch.equal`` logits.
+(Shown failing: with the mode off, or with `invariant.attention` summing the keys with
+``torch.sum``, or `invariant.linear` as one ``x @ weight``, these tests fail.)
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvlib
+from kvlib import invariant, numerics
+from kvlib.padding import pad, position_ids
+
+VOCAB = 61
+CFG = kvlib.ModelConfig(vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96, max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = kvlib.Transformer(CFG)
+    m.reset_parameters(seed=3, std=0.2)
+    m.eval().set_batch_invariant(True)
+    return m
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def split(n: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """``[0, n)`` cut at the sorted distinct ``cuts`` (each in 1..n-1): the chunks a sequence is fed in."""
+    edges = [0] + sorted({c for c in cuts if 0 < c < n}) + [n]
+    return list(zip(edges, edges[1:]))
+
+
+seq_len = st.integers(1, 20)
+others = st.lists(st.integers(1, 20), max_size=3)
+cuts = st.lists(st.integers(1, 19), max_size=6)
+
+
+@torch.inference_mode()
+@given(n=seq_len, other_lens=others, seed=st.integers(0, 10**6))
+def test_alone_or_left_padded_in_a_batch_the_same_bits(model, n, other_lens, seed):
+    ids = tokens(seed, n)
+    alone = model(torch.tensor([ids]))[0]  # (n, vocab)
+    rows = [tokens(seed + 1 + i, m) for i, m in enumerate(other_lens)]
+    at = len(rows) // 2  # somewhere in the middle of the batch
+    batch, valid = pad(rows[:at] + [ids] + rows[at:])
+    out = model(batch, positions=position_ids(valid), key_valid=valid)  # (B, T, vocab)
+    assert torch.equal(out[at, batch.shape[1] - n:], alone)
+
+
+@torch.inference_mode()
+@given(n=seq_len, chunk_cuts=cuts, seed=st.integers(0, 10**6))
+def test_cached_in_any_chunks_the_same_bits_as_recomputed(model, n, chunk_cuts, seed):
+    ids = torch.tensor([tokens(seed, n)])
+    alone = model(ids)[0]
+    cache = kvlib.DynamicCache(CFG.n_layer)
+    fed = torch.cat([model(ids[:, lo:hi], cache)[0] for lo, hi in split(n, chunk_cuts)])
+    assert torch.equal(fed, alone)
+
+
+@torch.inference_mode()
+@given(n=seq_len, chunk_cuts=cuts, other_lens=others, seed=st.integers(0, 10**6))
+def test_in_packed_paged_steps_beside_others_the_same_bits(model, n, chunk_cuts, other_lens, seed):
+    """The serving engine's step: the sequence's chunks share one packed row with other sequences' chunks."""
+    ids = tokens(seed, n)
+    alone = model(torch.tensor([ids]))[0]
+    rows = [tokens(seed + 1 + i, m) for i, m in enumerate(other_lens)]
+    cache = kvlib.PagedCache.for_model(CFG, num_blocks=64, block_size=4)
+    sids = [cache.add()[0] for _ in range(len(rows) + 1)]  # sids[0]: ours
+    plans = [split(n, chunk_cuts)] + [split(len(r), [c + i for c in chunk_cuts]) for i, r in enumerate(rows, 1)]
+    texts = [ids] + rows
+    got = []
+    for step in range(max(len(p) for p in plans)):
+        live = [i for i, p in enumerate(plans) if step < len(p)]
+        chunks = [texts[i][slice(*plans[i][step])] for i in live]
+        with cache.step([sids[i] for i in live], chunks, packed=True) as batch:
+            logits = model(torch.tensor([sum(chunks, [])]), batch)[0]  # (N, vocab)
+        if live[0] == 0:
+            got.append(logits[: len(chunks[0])])  # ours come first in the row
+    assert torch.equal(torch.cat(got), alone)
+
+
+@torch.inference_mode()
+def test_the_numerics_ways_agree_bit_for_bit_in_the_mode_and_not_only_by_luck(model):
+    ids = torch.tensor([tokens(7, 24)])
+    others = torch.tensor([tokens(8, 24), tokens(9, 24)])
+    ref = numerics.recomputed(model, ids, 4)
+    for got in (numerics.cached(model, ids, 4), numerics.chunked(model, ids, 5, 4),
+                numerics.batched(model, ids, others, 4), numerics.paged(model, ids, 4, block_size=8)):
+        assert numerics.drift(ref, got).identical
+        assert torch.equal(ref, got)
+
+
+def test_the_mode_changes_the_kernels_and_off_restores_them():
+    m = kvlib.Transformer(CFG)
+    m.reset_parameters(seed=3, std=0.2)
+    ids = torch.tensor([tokens(1, 12)])
+    with torch.inference_mode():
+        fast = m(ids)
+        m.set_batch_invariant(True)
+        assert m.batch_invariant and m.first_layers(1).batch_invariant
+        slow = m(ids)
+        m.set_batch_invariant(False)
+        assert not m.batch_invariant
+        assert torch.equal(m(ids), fast)  # the default kernels again
+    torch.testing.assert_close(slow, fast, rtol=1e-4, atol=1e-4)  # the same function, another order
+
+
+def test_the_pieces_against_torch():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 3, 40, generator=g), torch.randn(40, 24, generator=g)
+    torch.testing.assert_close(invariant.linear(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(invariant.fixed_sum(x, block=8), x.sum(-1), rtol=1e-5, atol=1e-5)
+    y = torch.randn(1000, generator=g)
+    assert torch.equal(invariant.elementwise(torch.exp, y)[:7], invariant.elementwise(torch.exp, y[:7]))
+    q, k, v = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    mask = kvlib.causal_mask(6, 9)[None, None]
+    torch.testing.assert_close(invariant.attention(q, k, v, mask), kvlib.attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_weights_are_refused():
+    from kvlib.wquant import quantize_weights
+
+    m = kvlib.Transformer(CFG)
+    m.reset_parameters(seed=0, std=0.2)
+    quantize_weights(m)
+    with pytest.raises(TypeError, match="quantized"):
+        m.set_batch_invariant(True)
+    with pytest.raises(TypeError, match="bool"):
+        kvlib.Transformer(CFG).set_batch_invariant("yes")
