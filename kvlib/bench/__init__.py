@@ -1,8 +1,8 @@
 """The book's performance claims, measured on this machine: ``python -m kvlib.bench``.
 
-    python -m kvlib.bench [--json PATH] [--quick] [--threads N] [--compile]
+    python -m kvlib.bench [--json PATH] [--quick] [--threads N] [--compile] [--chunked] [--invariant]
 
-One run loads SmolLM2-135M and measures nine things, each section in the module of its
+One run loads SmolLM2-135M and measures nine things (eleven with the flags), each section in the module of its
 idea:
 
 ======  ==========================================================  =====================
@@ -15,6 +15,8 @@ idea:
 (g)     kvlib vs Hugging Face ``generate``, bf16                     `kvlib.bench.huggingface`
 (h)     split-KV (FlashDecoding) vs PyTorch's fused attention        `kvlib.bench.split_kv`
 (i)     ``torch.compile`` on the decode step (``--compile`` only)    `kvlib.bench.compiled`
+(j)     engine pauses in a chunked prefill (``--chunked`` only)      `kvlib.bench.generation`
+(k)     batch-invariant mode vs default (``--invariant`` only)       `kvlib.bench.invariant`
 ======  ==========================================================  =====================
 
 `kvlib.bench.plan` holds the sizes (`FULL`, the book's run; `QUICK`, a smoke test) and the
@@ -30,6 +32,7 @@ imports torch but not transformers (only (c) and (g) load it).
 from .cli import main
 from .compiled import compiled_step
 from .generation import bench_chunked_prefill, bench_decode, bench_generation, pauses_while_prefilling
+from .invariant import invariant_cost
 from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2, race_hf
 from .plan import FULL, PROMPT_TEXT, QUICK, Plan, prompt_ids
 from .precision import precision_ladder, scored
@@ -54,6 +57,8 @@ __all__ = [
     "compiled_step",
     # (j)
     "bench_chunked_prefill", "pauses_while_prefilling",
+    # (k)
+    "invariant_cost",
     # the report and the command line
     "load_average", "machine_info", "header", "table_rows", "targets", "print_report", "json_ready", "main",
 ]

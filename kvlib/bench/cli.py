@@ -1,6 +1,6 @@
 """Measure the book's performance claims on this machine, all in one run.
 
-    python -m kvlib.bench [--json PATH] [--quick] [--threads N] [--compile]
+    python -m kvlib.bench [--json PATH] [--quick] [--threads N] [--compile] [--chunked] [--invariant]
 
 `main` is the driver: it loads SmolLM2 once, runs the sections in order (each in its
 module, named in `kvlib.bench`), prints the report (`kvlib.bench.report`) and optionally
@@ -22,6 +22,7 @@ from ..pretrained import load_smollm2
 from ..validate import positive_int
 from .compiled import compiled_step
 from .generation import bench_chunked_prefill, bench_decode, bench_generation
+from .invariant import invariant_cost
 from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2
 from .plan import FULL, QUICK, prompt_ids
 from .precision import precision_ladder
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="also time torch.compile on the decode step (slow)")
     p.add_argument("--chunked", action="store_true",
                    help="also time the engine's pauses while a 1,000-token prompt is chunked in")
+    p.add_argument("--invariant", action="store_true",
+                   help="also time the batch-invariant mode against the default kernels")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
@@ -80,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.chunked:
             print("(j) chunked prefill: pauses of running sequences ...", flush=True)
             r["chunked"] = bench_chunked_prefill(model, tok.encode(tiny_shakespeare("val")))
+        if args.invariant:
+            print("(k) batch-invariant mode against the default kernels ...", flush=True)
+            r["invariant"] = invariant_cost(model, ids, plan.contexts[0], plan.decode_steps // 4 or 1)
         print(flush=True)
     r["machine"]["loadavg_end"] = load_average()
     r["targets"] = targets(r, plan)

@@ -2,7 +2,8 @@
 
 `main` collects every section's results into one dict ``r`` (keys ``generation``,
 ``decode``, ``hf``, ``hf_bf16``, ``roofline``, ``same_bytes``, ``precision``, ``split_kv``
-and, with ``--compile``, ``compile``; with ``--chunked``, ``chunked``). This module only reads it:
+and, with ``--compile``, ``compile``; with ``--chunked``, ``chunked``; with ``--invariant``,
+``invariant``). This module only reads it:
 
 * `machine_info` and `header`: versions, threads and the load average before and after,
   because a CPU shared with other processes gives noisy numbers;
@@ -100,6 +101,14 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
         rows.append(("chunked", f"{c['prefill_steps']} steps, {c['forwards_per_step']:.0f} forward each",
                      f"longest pause {c['max_pause_ms']:.0f} ms", f"decode step {c['decode_step_ms']:.0f} ms",
                      f"{c['pause_ratio']:.1f}x", "running sequences while a long prompt is chunked in"))
+    if "invariant" in r:  # (k)
+        v = r["invariant"]
+        for what in ("prefill", "decode"):
+            at = f"prompt {v['prompt_len']}" if what == "prefill" else f"context {v['context']}"
+            rows.append(("invariant", f"{what}, {at}", f"invariant {v['ms'][f'invariant {what}']:.1f} ms",
+                         f"default {v['ms'][f'default {what}']:.1f} ms", f"{v[f'{what}_ratio']:.1f}x slower",
+                         "cached = recomputed bit for bit: " + ", ".join(
+                             f"{k} {'yes' if b else 'no'}" for k, b in v["cached_equals_recomputed"].items())))
     f = r["roofline"]  # (d), last: it reads the decode steps of (b) against the matvec ceilings
     big, small = f"{MATVEC_BIG}x{MATVEC_BIG}", f"{MATVEC_SMALL[0]}x{MATVEC_SMALL[1]}"
     for name, label in (("big", big), ("small", f"{MATVEC_COUNT} x {small}")):
