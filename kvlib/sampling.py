@@ -1,10 +1,12 @@
-"""How the next token is picked: one validated `SamplingParams`, and `sample`.
+"""How the next token is picked: one validated `SamplingParams`, `probabilities` and `sample`.
 
 ``temperature=0`` is greedy (argmax). Otherwise the logits are divided by the
 temperature, cut to the ``top_k`` largest and to the smallest set whose
 probability reaches ``top_p`` (nucleus sampling), and sampled. `generate`,
 `stream`, `generate_naive` and the paged `Engine` all take the same object (or
 its fields as keyword arguments), so every loop samples the same way.
+`probabilities` returns the distribution `sample` draws from (speculative sampling
+compares the draft's and the target's), with greedy as its one-hot limit.
 """
 
 from __future__ import annotations
@@ -123,19 +125,35 @@ def sample(
     return _sample(logits, params, generator)
 
 
-def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    if p.greedy:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / p.temperature
-    if p.top_k is not None and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]  # (B, 1): the k-th largest
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from: ``(..., vocab)`` logits -> float32 rows that sum to 1.
+
+    Temperature, then ``top_k``, then ``top_p``, then softmax. Greedy (``temperature=0``)
+    gives the one-hot of ``argmax``: the limit of the softmax as the temperature goes to 0.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a float tensor, got {type(logits).__name__} {getattr(logits, 'dtype', '')}")
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be (..., vocab) with vocab >= 1, got shape {tuple(logits.shape)}")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    logits = logits.float() / params.temperature
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (..., 1): the k-th largest
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p is not None and p.top_p < 1:
+    if params.top_p is not None and params.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-        drop_sorted = before >= p.top_p  # the first token is always kept
+        drop_sorted = before >= params.top_p  # the first token is always kept
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
+
+
+def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    if p.greedy:
+        return logits.argmax(dim=-1)  # the one-hot's draw, without touching the generator
+    return torch.multinomial(probabilities(logits, p), 1, generator=generator).squeeze(-1)

@@ -3,22 +3,40 @@
 A decode step reads every weight of the model to produce one token. Reading them
 once for ``k + 1`` tokens costs about the same, so: let a cheap *draft* propose
 ``k`` tokens, feed ``[last token, d_1 .. d_k]`` through the target in one forward,
-and keep the proposals up to the first one the target would not have chosen
-itself. The target's own choice at that point comes free (the "bonus" token).
-With greedy verification the output is exactly `kvlib.generate`'s; only the
-number of target forwards changes.
+and keep a prefix of the proposals. Only the number of target forwards changes,
+never what comes out: the rule below is lossless *in distribution* (Leviathan et
+al. 2023, Chen et al. 2023). The draft drew ``d_i`` from its distribution ``q_i``; the
+verify forward gives the target's ``p_1 .. p_{n+1}`` (`kvlib.sampling.probabilities`,
+the same temperature and cuts). For ``i = 1 .. n``:
+
+* accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``;
+* on the first rejection, draw the token from the residual ``norm(max(0, p_i - q_i))``
+  and stop. Accepting gives ``min(p, q)``, the residual adds ``p - min(p, q)``: ``p``.
+
+If all ``n`` were accepted, the *bonus* token is drawn from ``p_{n+1}``: the target's
+draw after the last guess, free because the verify forward computed ``p_{n+1}``
+anyway (so a step always yields at least one token, at most ``n + 1``). Greedy
+(``temperature=0``) is the same code with one-hot ``p`` and ``q``: accept while
+``d_i == argmax p_i``, and the residual is the target's own token, so the output is
+exactly `kvlib.generate`'s, token for token.
 
 The cache is what makes it work, and what must be repaired: the verify forward
 wrote K/V for every proposal, so after a rejection the target cache is rolled
 back with ``cache.crop(n)`` (``PagedCache.truncate`` for a paged one).
 
-Two drafts:
+The draft protocol: ``propose(context_ids, k) -> list[int]`` (at most ``k`` tokens),
+taken as a one-hot ``q`` at each token, which is exactly lossless however the tokens
+were chosen. A draft that knows its distribution may add ``propose_probs(context_ids,
+k, sampling, generator) -> (tokens, q)``, ``q`` of shape ``(n, vocab)``: ``tokens[i]``
+drawn from ``q[i]`` (with ``generator``) given the context and ``tokens[:i]``; used
+when present, it is accepted more often than the one-hot. Two drafts:
 
 * `PromptLookupDraft` copies what followed an earlier occurrence of the last few
   tokens (Hugging Face's ``prompt_lookup_num_tokens``, vLLM's n-gram speculator);
-  free, and good when the answer repeats the prompt.
+  free, and good when the answer repeats the prompt. Tokens only.
 * `EarlyExitDraft` runs the target's first few blocks with the shared final norm
-  and lm_head (self-speculation, as in LayerSkip), with its own small cache.
+  and lm_head (self-speculation, as in LayerSkip), with its own small cache. It
+  proposes distributions: its own `probabilities` under the call's sampling.
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ from .cache import Cache, DynamicCache, StaticCache
 from .generate import _as_batch, _check_len
 from .model import Transformer
 from .paged import PagedCache
+from .sampling import SamplingParams, probabilities, sampling_params
 from .validate import int_at_least, int_in_range, positive_int
 
 
@@ -39,10 +58,23 @@ class Draft(Protocol):
     """Anything with ``propose(context_ids, k) -> list[int]`` (at most ``k`` tokens, maybe none).
 
     A draft built on a model should also carry ``vocab_size``: `speculative_generate`
-    refuses a draft whose token ids mean something else than the target's.
+    refuses a draft whose token ids mean something else than the target's. One that
+    knows the distribution it drew from also has ``propose_probs`` (`DistributionDraft`).
     """
 
     def propose(self, context_ids: list[int] | torch.Tensor, k: int) -> list[int]: ...
+
+
+class DistributionDraft(Draft, Protocol):
+    """A draft that also says what it sampled from: ``q`` ``(n, vocab)``, rows summing to 1.
+
+    ``tokens[i]`` must really be a draw from ``q[i]`` (given the context and ``tokens[:i]``):
+    the acceptance test divides by ``q``, so a ``q`` that lies gives a biased output.
+    """
+
+    def propose_probs(
+        self, context_ids: list[int] | torch.Tensor, k: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor]: ...
 
 
 def _as_list(context_ids: list[int] | torch.Tensor) -> list[int]:
@@ -83,13 +115,14 @@ class PromptLookupDraft:
 
 
 class EarlyExitDraft:
-    """The target's first ``n_layers`` blocks + its final norm + its lm_head, greedy.
+    """The target's first ``n_layers`` blocks + its final norm + its lm_head.
 
     The weights are the target's own (`Transformer.first_layers`), so the draft costs
     no memory for weights, only its own `DynamicCache` over ``n_layers`` layers. That
-    cache remembers which tokens it holds; each ``propose`` crops it back to the part
+    cache remembers which tokens it holds; each proposal crops it back to the part
     that still matches the context (a rejection rolls the draft back too) and feeds
-    only the rest.
+    only the rest. ``propose`` is greedy; ``propose_probs`` samples under the call's
+    `SamplingParams` and returns the distributions it drew from.
     """
 
     def __init__(self, model: Transformer, n_layers: int) -> None:
@@ -99,8 +132,14 @@ class EarlyExitDraft:
         self.cache = DynamicCache(n_layers)
         self.tokens: list[int] = []  # the tokens whose K/V self.cache holds, in order
 
-    @torch.inference_mode()
     def propose(self, context_ids: list[int] | torch.Tensor, k: int) -> list[int]:
+        return self.propose_probs(context_ids, k, SamplingParams(), None)[0]  # greedy: q is one-hot
+
+    @torch.inference_mode()
+    def propose_probs(
+        self, context_ids: list[int] | torch.Tensor, k: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor]:
+        """``k`` tokens, each drawn from ``q = probabilities(draft logits, sampling)``, and ``q`` ``(k, vocab)``."""
         ctx, k = _as_list(context_ids), positive_int("k", k)
         if not ctx:
             raise ValueError("context_ids is empty: the draft needs at least one token")
@@ -110,14 +149,16 @@ class EarlyExitDraft:
         self.cache.crop(keep)
         self.tokens = ctx[:keep]
         out: list[int] = []
+        qs: list[torch.Tensor] = []
         feed = ctx[keep:]
         for _ in range(k):
             ids = torch.tensor([feed], device=self.model.device)  # (1, t)
             logits = self.model(ids, self.cache, last_only=True)  # (1, 1, vocab)
             self.tokens += feed
-            feed = [int(logits[0, -1].argmax())]
+            qs.append(probabilities(logits[0, -1], sampling))  # (vocab,)
+            feed = [_draw(qs[-1], generator)]
             out += feed
-        return out
+        return out, torch.stack(qs)  # (k, vocab)
 
 
 # -- the target side: one forward, one rollback ----------------------------------------------------
@@ -191,6 +232,82 @@ class SpecStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
+# -- the rule: accept with min(1, p/q), else draw from the residual ------------------------------------
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a ``(vocab,)`` distribution. A one-hot one (greedy) is its argmax: no randomness used."""
+    top = int(probs.argmax())
+    if probs[top] == 1:
+        return top
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` ``(vocab,)``: where the target wants more than the draft offered.
+
+    Its mass is ``sum max(0, p - q)``, exactly the probability that a guess is rejected. So
+    zero mass means ``p <= q`` everywhere, i.e. ``p == q``, where no guess is ever rejected;
+    in floats it can still come up after a rejection of probability ~1e-7 (``p`` and ``q``
+    equal up to rounding), and then ``p`` itself is the distribution to draw from.
+    """
+    r = (p - q).clamp_min(0)
+    mass = r.sum()
+    return r / mass if mass > 0 else p
+
+
+def _verify(
+    guess: list[int], q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """``(a, token)``: keep ``guess[:a]``, then ``token`` (a residual draw, or the bonus if ``a == n``).
+
+    ``q`` is ``(n, vocab)``, ``p`` is ``(n + 1, vocab)``. A uniform draw is taken only when
+    ``0 < p/q < 1``: greedy (ratios 0 or 1) uses no randomness at all.
+    """
+    for i, d in enumerate(guess):
+        ratio = float(p[i, d] / q[i, d])  # q[i, d] > 0: checked
+        if ratio >= 1 or (ratio > 0 and float(torch.rand((), generator=generator, device=p.device)) < ratio):
+            continue  # accepted
+        return i, _draw(_residual(p[i], q[i]), generator)
+    return len(guess), _draw(p[len(guess)], generator)  # every guess accepted: the bonus token
+
+
+def _propose(
+    draft: Draft, seq: list[int], k: int, params: SamplingParams, generator: torch.Generator | None, model: Transformer
+) -> tuple[list[int], torch.Tensor]:
+    """Ask the draft for up to ``k`` tokens and their ``q`` ``(n, vocab)`` (float32, on the model's device)."""
+    vocab, device = model.config.vocab_size, model.device
+    if callable(getattr(draft, "propose_probs", None)):
+        out = draft.propose_probs(list(seq), k, params, generator)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(f"propose_probs must return (tokens, q), got {type(out).__name__}")
+        guess, q = _as_list(out[0]), out[1]
+    else:
+        guess, q = _as_list(draft.propose(list(seq), k)), None
+    if len(guess) > k or any(not 0 <= t < vocab for t in guess):
+        raise ValueError(f"the draft proposed {guess} for k={k}: at most k ids in [0, {vocab})")
+    if q is None:  # tokens only: a one-hot q at each token
+        return guess, torch.nn.functional.one_hot(torch.tensor(guess, dtype=torch.long), vocab).float().to(device)
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+        got = f"{type(q).__name__} {getattr(q, 'dtype', '')}"
+        raise TypeError(f"the draft's q must be a float tensor (n, vocab), got {got}")
+    if tuple(q.shape) != (len(guess), vocab):
+        raise ValueError(f"the draft's q has shape {tuple(q.shape)}; {len(guess)} tokens need ({len(guess)}, {vocab})")
+    q = q.to(device=device, dtype=torch.float32)
+    if not guess:
+        return guess, q
+    if not bool(torch.isfinite(q).all()) or float(q.min()) < 0:
+        raise ValueError(f"the draft's q must be finite and >= 0, got min {float(q.min())}")
+    sums = q.sum(-1)  # (n,)
+    worst = int((sums - 1).abs().argmax())
+    if abs(float(sums[worst]) - 1) > 1e-3:
+        total = float(sums[worst])
+        raise ValueError(f"each row of the draft's q must sum to 1 (within 1e-3); row {worst} sums to {total}")
+    at = q[torch.arange(len(guess)), torch.tensor(guess)]  # (n,): q_i(d_i)
+    if not bool((at > 0).all()):
+        i = int((at <= 0).nonzero()[0])
+        raise ValueError(f"the draft proposed token {guess[i]} at position {i} with q = 0: it cannot have drawn it")
+    return guess, q
+
+
 # -- the loop ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def speculative_generate(
@@ -200,14 +317,21 @@ def speculative_generate(
     draft: Draft,
     k: int = 4,
     cache: Cache | PagedCache | None = None,
+    *,
+    sampling: SamplingParams | None = None,
+    **sampling_kwargs,
 ) -> tuple[torch.Tensor, SpecStats]:
-    """Greedy generation with a draft: the same tokens as ``generate(model, prompt_ids, n)``.
+    """Generation with a draft, distributed exactly as ``generate(model, prompt_ids, n, sampling=...)``.
 
     Returns prompt + exactly ``max_new_tokens`` new tokens, ``(1, T + n)``, and a
     `SpecStats`. Each verify step asks the draft for up to ``k`` tokens (fewer near
     the end: never more than are still wanted), runs ``[last token, proposals]``
-    through the target at once, keeps the longest prefix the target agrees with plus
-    the target's next token, and crops the target cache back to what was kept.
+    through the target at once, keeps the accepted prefix plus one token of the
+    target's (see the module docstring), and crops the target cache back to what was kept.
+    Greedy (the default) gives `generate`'s tokens exactly; with ``temperature > 0`` the
+    output has `generate`'s distribution, not its seeded tokens (the draws differ).
+    Sampling as in `generate`: ``sampling=SamplingParams(...)`` or ``temperature``, ``top_k``,
+    ``top_p``, ``seed``, ``generator`` as keywords (``stop`` is not supported here).
 
     ``cache=None`` allocates a `StaticCache` of prompt + ``max_new_tokens`` slots. A
     `PagedCache` gets a new sequence for the call, rolled back with ``truncate`` and freed
@@ -216,6 +340,9 @@ def speculative_generate(
     """
     int_at_least("k (draft tokens per step)", k, 1)
     int_at_least("max_new_tokens", max_new_tokens, 1)
+    params = sampling_params(sampling, max_new_tokens, **sampling_kwargs)
+    if params.stop:
+        raise ValueError(f"speculative_generate does not support stop tokens, got stop={params.stop}")
     if not callable(getattr(draft, "propose", None)):
         raise TypeError(f"draft must have a propose(context_ids, k) method, got {type(draft).__name__}")
     if cache is not None and not isinstance(cache, (Cache, PagedCache)):
@@ -233,24 +360,22 @@ def speculative_generate(
     if cache is None:
         cache = StaticCache.for_model(model.config, 1, T + max_new_tokens, dtype=model.dtype, device=model.device)
 
+    generator = params.make_generator(model.device)
     target, stats = _Target(model, cache), SpecStats()
     try:
         seq = ids[0].tolist()
-        seq.append(int(target.prefill(seq).argmax(-1)[-1]))  # the prefill's token; target cache = seq[:-1]
+        p = probabilities(target.prefill(seq)[-1], params)  # (vocab,); the target cache now holds seq
+        seq.append(_draw(p, generator))  # the prefill's token, never fed yet
         new = 1
         while new < max_new_tokens:
             k_step = min(k, max_new_tokens - new - 1)  # the bonus token is one more
-            guess = _as_list(draft.propose(list(seq), k_step)) if k_step else []
-            if len(guess) > k_step or any(not 0 <= t < vocab for t in guess):
-                raise ValueError(f"the draft proposed {guess} for k={k_step}: at most k ids in [0, {vocab})")
+            guess, q = _propose(draft, seq, k_step, params, generator, model) if k_step else ([], None)
             start = target.length
-            logits = target.forward([seq[-1]] + guess, len(guess) + 1)  # (1 + len(guess), vocab)
-            choice = logits.argmax(-1).tolist()  # the target's next token after each fed token
-            a = 0
-            while a < len(guess) and guess[a] == choice[a]:
-                a += 1
+            logits = target.forward([seq[-1]] + guess, len(guess) + 1)  # (1 + n, vocab)
+            p = probabilities(logits, params)  # (1 + n, vocab): the target's p_1 .. p_{n+1}
+            a, tok = _verify(guess, q, p, generator)
             target.crop(start + 1 + a)  # keep the last token and the accepted proposals; drop the rest
-            seq += guess[:a] + [choice[a]]
+            seq += guess[:a] + [tok]
             new += a + 1
             stats.proposed_per_step.append(len(guess))
             stats.accepted_per_step.append(a)

@@ -5,7 +5,7 @@ import torch
 
 import kvlib
 from kvlib import SamplingParams
-from kvlib.sampling import sampling_params
+from kvlib.sampling import probabilities, sampling_params
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,52 @@ def test_the_engine_takes_the_same_params(model):
     eng = kvlib.Engine(model, kvlib.PagedCache.for_model(model.config, num_blocks=16, block_size=4))
     eng.add(prompt, sampling=p)
     assert eng.run()[0] == [want]  # the same seeded draws, through the paged engine
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.5),
+])
+def test_probabilities_is_the_distribution_sample_draws_from(params):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3  # (B, vocab), no ties
+    probs = probabilities(logits, params)
+    assert probs.dtype == torch.float32 and probs.shape == (6, 50)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(6))
+    torch.testing.assert_close(probs, torch.stack([_by_hand(row, params) for row in logits]))
+    for seed in range(5):  # the same draws, bit for bit, as sample's
+        want = kvlib.sample(logits, params, generator=torch.Generator().manual_seed(seed))
+        got = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1)
+        assert torch.equal(got, want)
+
+
+def _by_hand(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's distribution, the slow way: the top_k most likely, then the shortest head reaching top_p."""
+    z = row.double() / params.temperature
+    order = sorted(range(len(row)), key=lambda i: -float(z[i]))[: params.top_k]
+    mass = z[order].softmax(0).tolist()
+    keep = [t for j, t in enumerate(order) if params.top_p is None or sum(mass[:j]) < params.top_p]
+    out = torch.zeros(len(row), dtype=torch.float64)
+    out[keep] = z[keep].softmax(0)
+    return out.float()
+
+
+def test_greedy_probabilities_are_the_one_hot_of_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])  # a tie: argmax takes the first
+    probs = probabilities(logits, SamplingParams())
+    assert torch.equal(probs, torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0]]))
+    assert torch.equal(kvlib.sample(logits), logits.argmax(-1)) and torch.equal(probs.argmax(-1), logits.argmax(-1))
+    # temperature 0 is the limit: at 0.05 the second row's margin of 5 becomes 100, and exp(-100) ~ 4e-44
+    cold = probabilities(logits[1:], SamplingParams(temperature=0.05))
+    torch.testing.assert_close(cold, probs[1:], rtol=0, atol=1e-40)
+    assert probabilities(logits[0], SamplingParams(temperature=1.0)).shape == (4,)  # (vocab,) works too
+
+
+def test_probabilities_refuses_bad_input():
+    with pytest.raises(TypeError, match="logits must be a float tensor"):
+        probabilities(torch.tensor([1, 2, 3]), SamplingParams())
+    with pytest.raises(ValueError, match=r"logits must be \(\.\.\., vocab\) with vocab >= 1, got shape \(\)"):
+        probabilities(torch.tensor(1.0), SamplingParams())
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got float"):
+        probabilities(torch.zeros(2, 3), 1.0)

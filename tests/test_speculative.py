@@ -8,8 +8,14 @@
   the differences measured were below 4e-6, so 1e-5).
 - Extremes: a draft that knows the answer is always accepted (k + 1 tokens per forward);
   one that is always wrong still gives the exact output, one token per forward.
+- Sampling (temperature > 0) is lossless in distribution: a chi-square test of the output
+  against the target's exact probabilities passes for three drafts, and fails once the
+  residual step is dropped (the test has power). Greedy is the same code: any draft, even
+  one proposing from a fixed distribution, gives `generate`'s tokens at temperature 0.
 """
 
+import itertools
+import math
 from functools import cache
 
 import pytest
@@ -18,7 +24,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlib
-from kvlib import DynamicCache, ModelConfig, PagedCache, StaticCache, Transformer
+import kvlib.speculative
+from kvlib import DynamicCache, ModelConfig, PagedCache, SamplingParams, StaticCache, Transformer
 from kvlib.speculative import EarlyExitDraft, PromptLookupDraft, speculative_generate
 
 V = 50
@@ -226,6 +233,199 @@ def test_a_draft_proposing_too_many_or_foreign_tokens():
         EarlyExitDraft(tiny(), 4)
     with pytest.raises(ValueError, match="ngram_min=3 must be <= ngram_max=2"):
         PromptLookupDraft(ngram_max=2, ngram_min=3)
+
+
+# -- sampling: lossless in distribution -------------------------------------------------------------------------
+# A target with a vocabulary of SV = 4 makes N_NEW = 4 tokens with k = 2: the prefill's token, then d_1, d_2 and,
+# when both are kept, the bonus token (after a rejection the next step proposes one), so every branch of the
+# rule runs. The exact probability of each of the 4^4 = 256 continuations comes from the target itself (plain
+# forwards over all 4^3 contexts), and Pearson's chi-square goodness-of-fit test at ALPHA compares it with the
+# counts of N_SAMPLES calls. Cells expected below 5 are pooled into one cell (folded into the smallest kept cell
+# if the pool is still below 5). Fixed seeds, so each test is deterministic.
+ALPHA = 0.001
+SV, N_NEW, SPEC_K, N_SAMPLES = 4, 4, 2, 2000  # ~2 ms a call: about 5 s a test
+SPROMPT = [0, 1, 2, 3, 0, 1, 2, 3]  # repetitive, so prompt lookup always has a match to propose
+WRONG_Q = [0.7, 0.1, 0.05, 0.15]  # far from the target's p, which are near-uniform (std=0.1)
+
+
+@cache
+def small(n_layer: int) -> Transformer:
+    cfg = ModelConfig(n_layer=n_layer, n_head=2, n_kv_head=1, d_model=16, d_ff=32, vocab_size=SV, max_seq_len=16)
+    m = Transformer(cfg)
+    m.reset_parameters(seed=1, std=0.1)  # soft logits: few continuations are rare, so few cells are pooled
+    return m.eval()
+
+
+class FixedDraft:
+    """Proposes from one fixed distribution ``q``, whatever the context: deliberately not the target's."""
+
+    def __init__(self, q: list[float]) -> None:
+        self.q, self.vocab_size = torch.as_tensor(q, dtype=torch.float32), len(q)
+
+    def propose(self, context_ids, k):
+        raise AssertionError("speculative_generate must call propose_probs when a draft has it")
+
+    def propose_probs(self, context_ids, k, sampling, generator):
+        tokens = torch.multinomial(self.q, k, replacement=True, generator=generator).tolist()
+        return tokens, self.q.expand(k, -1)  # (k, vocab): the distribution each token was drawn from
+
+
+def _index(tokens) -> int:
+    """A continuation's cell: its tokens read as a base-SV number."""
+    return sum(t * SV ** (len(tokens) - 1 - j) for j, t in enumerate(tokens))
+
+
+def exact_joint(model: Transformer) -> torch.Tensor:
+    """P(x_1 .. x_N_NEW | SPROMPT) for every continuation, ``(SV ** N_NEW,)`` float64, from plain forwards."""
+    ctx = list(itertools.product(range(SV), repeat=N_NEW - 1))  # row r feeds x_1 .. x_{N_NEW-1}
+    with torch.inference_mode():
+        p = model(torch.tensor([SPROMPT + list(c) for c in ctx])).double().softmax(-1)  # (SV^3, T + 3, SV)
+    T = len(SPROMPT)
+    joint = torch.empty(SV ** N_NEW, dtype=torch.float64)
+    for xs in itertools.product(range(SV), repeat=N_NEW):
+        row = p[_index(xs[:-1])]  # position T - 1 + j has seen SPROMPT + xs[:j]
+        joint[_index(xs)] = torch.stack([row[T - 1 + j, x] for j, x in enumerate(xs)]).prod()
+    return joint
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(chi-square with ``df`` degrees of freedom > ``x``) = Q(df / 2, x / 2), the regularised upper gamma."""
+    half_df, half_x = torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(half_df, half_x))
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson's statistic, degrees of freedom and p-value, cells expected < 5 pooled (see above).
+
+    The p-value is `chi2_sf`: torch alone, no scipy.
+    """
+    expected = probs * counts.sum()
+    keep = expected >= 5
+    obs, exp = counts[keep].tolist(), expected[keep].tolist()
+    if not bool(keep.all()):
+        pooled_obs, pooled_exp = float(counts[~keep].sum()), float(expected[~keep].sum())
+        if pooled_exp >= 5:
+            obs, exp = obs + [pooled_obs], exp + [pooled_exp]
+        else:
+            j = exp.index(min(exp))
+            obs[j], exp[j] = obs[j] + pooled_obs, exp[j] + pooled_exp
+    o, e = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat, df = float(((o - e) ** 2 / e).sum()), len(obs) - 1
+    return stat, df, chi2_sf(stat, df)
+
+
+def spec_chi_square(model: Transformer, draft, n: int = N_SAMPLES, seed: int = 0):
+    """Run ``speculative_generate`` ``n`` times at temperature 1: ``(stat, df, p-value, first_step)``."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(SV ** N_NEW, dtype=torch.float64)
+    first_step = []  # how many of the first step's SPEC_K proposals were accepted, per call
+    for _ in range(n):
+        out, stats = speculative_generate(model, SPROMPT, N_NEW, draft, k=SPEC_K, temperature=1.0, generator=g)
+        counts[_index(out[0, len(SPROMPT):].tolist())] += 1
+        first_step.append(stats.accepted_per_step[0] if stats.proposed_per_step[0] == SPEC_K else -1)
+    return (*chi_square(counts, exact_joint(model)), first_step)
+
+
+def test_the_chi_square_p_value_needs_no_scipy():
+    """``gammaincc(df / 2, x / 2)`` is the chi-square survival function: a closed form and table values."""
+    for x in (0.5, 2.0, 9.0):
+        assert chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-12)  # df = 2: exp(-x / 2)
+    for df, x, p in [(1, 3.841459, 0.05), (10, 29.588298, 0.001), (100, 124.342113, 0.05)]:  # x = chi2.isf(p, df)
+        assert chi2_sf(x, df) == pytest.approx(p, rel=1e-5), df
+    probs = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    assert chi_square(probs * 100, probs) == (0.0, 2, 1.0)
+
+
+@pytest.mark.parametrize("draft", ["fixed q", "prompt lookup", "early exit"])
+def test_speculative_sampling_has_the_targets_distribution(draft):
+    model = small(2 if draft == "early exit" else 1)
+    d = {"fixed q": lambda: FixedDraft(WRONG_Q), "prompt lookup": PromptLookupDraft,
+         "early exit": lambda: EarlyExitDraft(model, 1)}[draft]()
+    n = 1500 if draft == "early exit" else N_SAMPLES  # a 2-layer target is slower per call
+    stat, df, pvalue, first = spec_chi_square(model, d, n)
+    print(f"{draft}: chi2 = {stat:.1f}, df = {df}, p = {pvalue:.3g}")
+    assert pvalue > ALPHA, f"{draft}: chi2 = {stat:.1f} on {df} df, p = {pvalue:.3g} < {ALPHA}"
+    # every branch ran, many times: a rejection at d_1, at d_2, and both kept (then the bonus token)
+    assert min(first.count(a) for a in range(SPEC_K + 1)) > 50, [first.count(a) for a in range(SPEC_K + 1)]
+
+
+def test_dropping_the_residual_step_fails_the_chi_square_test(monkeypatch):
+    """Resampling a rejected guess from p instead of norm(max(0, p - q)) over-weights the draft's guesses:
+    the test above must see it (so passing it means something)."""
+    monkeypatch.setattr(kvlib.speculative, "_residual", lambda p, q: p)
+    stat, df, pvalue, _ = spec_chi_square(small(1), FixedDraft(WRONG_Q))  # the same samples and seed
+    print(f"residual dropped: chi2 = {stat:.1f}, df = {df}, p = {pvalue:.3g}")
+    assert pvalue < ALPHA
+
+
+def test_the_same_seed_gives_the_same_sampled_tokens():
+    model = small(1)
+    p = SamplingParams(temperature=0.8, top_k=3, seed=5)
+    a, _ = speculative_generate(model, SPROMPT, 8, FixedDraft(WRONG_Q), sampling=p)
+    b, _ = speculative_generate(model, SPROMPT, 8, FixedDraft(WRONG_Q), temperature=0.8, top_k=3, seed=5)
+    assert torch.equal(a, b) and a.shape == (1, len(SPROMPT) + 8)
+
+
+@pytest.mark.parametrize("draft", ["early exit", "fixed q"])
+def test_greedy_is_the_temperature_0_case_of_the_same_rule(draft):
+    """At temperature 0, p and the early-exit q are one-hot: accept while d == argmax p, and the residual is the
+    target's own token. Even a draft sampling a fixed, spread-out q gives `generate`'s tokens exactly."""
+    model, prompt = tiny(), [3, 1, 4, 1, 5, 9, 2, 6]
+    want = kvlib.generate(model, prompt, 20)
+    g = torch.Generator().manual_seed(0)
+    for sampling in (None, SamplingParams(temperature=0.0)):
+        d = EarlyExitDraft(model, 2) if draft == "early exit" else FixedDraft(torch.randn(V, generator=g).softmax(-1))
+        before = torch.get_rng_state()
+        got, stats = speculative_generate(model, prompt, 20, d, k=3, sampling=sampling)
+        assert torch.equal(got, want)
+        assert 0 < stats.accepted < stats.proposed or draft == "fixed q"
+        if draft == "early exit":
+            assert torch.equal(torch.get_rng_state(), before)  # greedy draws nothing: ratios are 0 or 1
+
+
+class Proposing:
+    """A test draft returning a fixed ``propose_probs`` answer."""
+
+    vocab_size = SV
+
+    def __init__(self, out):
+        self.out = out
+
+    def propose(self, context_ids, k):
+        raise AssertionError("not called")
+
+    def propose_probs(self, context_ids, k, sampling, generator):
+        return self.out
+
+
+_UNIFORM = torch.full((2, SV), 1 / SV)
+
+
+@pytest.mark.parametrize("out, error, match", [
+    (([1, 2], _UNIFORM[:1]), ValueError, r"q has shape \(1, 4\); 2 tokens need \(2, 4\)"),
+    (([1, 2], torch.ones(2, SV)), ValueError, "row 0 sums to 4.0"),
+    (([1, 2], torch.tensor([[0.5, 0.5, 0, 0], [0.6, 0.6, -0.2, 0]])), ValueError, "finite and >= 0, got min -0.2"),
+    (([1, 2], torch.tensor([[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0]])), ValueError, "token 2 at position 1 with q = 0"),
+    (([1, 4], _UNIFORM), ValueError, r"proposed \[1, 4\] for k=2: at most k ids in \[0, 4\)"),
+    (([1, 2, 3], torch.full((3, SV), 0.25)), ValueError, r"proposed \[1, 2, 3\] for k=2"),
+    (([1, 2], [[0.25] * 4] * 2), TypeError, "q must be a float tensor"),
+    (([1, 2], torch.ones(2, SV, dtype=torch.long)), TypeError, "q must be a float tensor"),
+    ([1, 2], TypeError, r"must return \(tokens, q\), got list"),
+])
+def test_a_draft_with_a_bad_distribution_is_refused(out, error, match):
+    with pytest.raises(error, match=match):
+        speculative_generate(small(1), SPROMPT, 4, Proposing(out), k=2, temperature=1.0, seed=0)
+
+
+def test_bad_sampling_arguments():
+    with pytest.raises(ValueError, match=r"does not support stop tokens, got stop=\(3,\)"):
+        speculative_generate(small(1), SPROMPT, 4, PromptLookupDraft(), stop=3)
+    with pytest.raises(ValueError, match="either sampling=SamplingParams"):
+        speculative_generate(small(1), SPROMPT, 4, PromptLookupDraft(), sampling=SamplingParams(), top_k=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        speculative_generate(small(1), SPROMPT, 4, PromptLookupDraft(), temprature=1.0)
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        speculative_generate(small(1), SPROMPT, 4, PromptLookupDraft(), temperature=-1.0)
 
 
 # -- SmolLM2 ----------------------------------------------------------------------------------------------------------
