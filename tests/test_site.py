@@ -28,7 +28,8 @@ DESKTOP = {"width": 1280, "height": 900}
 
 def pages() -> list[str]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    return [toc["root"]] + [c["file"] for part in toc["parts"] for c in part["chapters"]]
+    chapters = [c for part in toc["parts"] for c in part["chapters"]]
+    return [toc["root"]] + [f for c in chapters for f in [c["file"]] + [s["file"] for s in c.get("sections", [])]]
 
 
 @pytest.fixture(scope="module")
