@@ -54,10 +54,13 @@ _CHUNK = 16384  # elements per elementwise call: below torch's grain size, so on
 def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for an elementwise ``fn``, with every element on the vectorised path.
 
-    torch computes the last ``n mod 2·width`` elements of an elementwise call (and of
-    each thread's share) with scalar code, whose ``exp`` may differ from the SIMD one in
-    the last bit. Padding to a multiple of `_VEC` and calling on chunks of at most
-    `_CHUNK` elements (one thread each) sends every element down the same path.
+    torch computes the last ``n mod 2·width`` elements of an elementwise call on a
+    contiguous tensor (and of each thread's share) with scalar code, which may differ from
+    the SIMD code in the last bit: on the machine this was written on, ``silu`` does and
+    ``exp`` does not. Padding to a multiple of `_VEC` and calling on chunks of at most
+    `_CHUNK` elements (one thread each) sends every element down the same path. (A view
+    whose rows are a multiple of the SIMD width, like the MLP's gate, is safe anyway: torch
+    loops over its rows, so every row has the same tail.)
     """
     flat = x.reshape(-1)  # (n,)
     n = flat.numel()
