@@ -60,3 +60,36 @@ def test_bad_input_is_named(model):
         numerics.chunked(model, ids, 0)
     with pytest.raises(ValueError, match="one shape"):
         numerics.drift(torch.zeros(2, 3), torch.zeros(3, 3))
+
+
+def test_the_bf16_record_reads_back_whole():
+    r = numerics.load_bf16_record()
+    assert r["inputs"] == numerics.STUDY
+    assert set(r["table"]) == {"cached", "chunked", "batched", "paged"}
+    for d in r["table"].values():
+        assert 0 <= d.near_ties <= d.positions and 0 <= d.flips <= d.positions and d.max_diff > 0
+    div = r["divergence"]
+    assert len(div.cached) == len(div.naive) == numerics.STUDY["n_new"]
+    assert div.first == numerics.first_difference(div.cached, div.naive)
+    if div.first is not None:  # each loop's own logits chose its own token
+        assert div.logits["cached"][0] > div.logits["cached"][1] and div.logits["naive"][1] > div.logits["naive"][0]
+
+
+@pytest.mark.smollm2
+def test_the_bf16_record_is_what_this_machine_computes():
+    """The stored run is not stale: on the machine kind that made it, a fresh run gives its table and its
+    cached loop's tokens exactly (the naive loop, the slow half, is left to the chapter's build)."""
+    from kvlib.native import fast_dtype
+
+    if fast_dtype() != torch.bfloat16:
+        pytest.skip("this CPU has no bf16 matrix instructions: the bf16 study would take most of an hour")
+    model, tok = kvlib.load_smollm2(dtype=torch.bfloat16)
+    ids, others, prompt = numerics.study_inputs(tok, model.config.vocab_size)
+    st, stored = numerics.STUDY, numerics.load_bf16_record()
+    table = numerics.drift_table(model, ids, st["start"], st["chunk"], others)
+    tokens = kvlib.generate(model, prompt, st["n_new"])[0, len(prompt):].tolist()
+    if stored["machine"]["cpu"] == numerics.machine()["cpu"] and stored["machine"]["torch"] == torch.__version__:
+        assert table == stored["table"] and tokens == stored["divergence"].cached
+    else:  # another CPU rounds bf16 its own way: the same story, other digits
+        for way, d in stored["table"].items():
+            assert 0.25 < table[way].max_diff / d.max_diff < 4
