@@ -18,7 +18,11 @@ draw after the last guess, free because the verify forward computed ``p_{n+1}``
 anyway (so a step always yields at least one token, at most ``n + 1``). Greedy
 (``temperature=0``) is the same code with one-hot ``p`` and ``q``: accept while
 ``d_i == argmax p_i``, and the residual is the target's own token, so the output is
-exactly `kvlib.generate`'s, token for token.
+`kvlib.generate`'s, token for token, wherever the two compute the same argmaxes. A verify
+forward over ``n + 1`` tokens rounds differently from ``n + 1`` decode steps, so in float32
+that is every step whose top-2 margin exceeds the last-bit difference (the book's
+"When cached and uncached disagree" measures both); with ``model.set_batch_invariant(True)``
+it is every step.
 
 The cache is what makes it work, and what must be repaired: the verify forward
 wrote K/V for every proposal, so after a rejection the target cache is rolled
@@ -328,7 +332,7 @@ def speculative_generate(
     the end: never more than are still wanted), runs ``[last token, proposals]``
     through the target at once, keeps the accepted prefix plus one token of the
     target's (see the module docstring), and crops the target cache back to what was kept.
-    Greedy (the default) gives `generate`'s tokens exactly; with ``temperature > 0`` the
+    Greedy (the default) gives `generate`'s tokens (up to near ties, see above); with ``temperature > 0`` the
     output has `generate`'s distribution, not its seeded tokens (the draws differ).
     Sampling as in `generate`: ``sampling=SamplingParams(...)`` or ``temperature``, ``top_k``,
     ``top_p``, ``seed``, ``generator`` as keywords (``stop`` is not supported here).

@@ -142,3 +142,14 @@ def test_quantized_weights_are_refused():
         m.set_batch_invariant(True)
     with pytest.raises(TypeError, match="bool"):
         kvlib.Transformer(CFG).set_batch_invariant("yes")
+
+
+@torch.inference_mode()
+def test_greedy_speculation_in_the_mode_is_generate_at_every_step(model):
+    """A verify forward over k + 1 tokens gives the bits of k + 1 decode steps: no near tie can split them."""
+    from kvlib.speculative import EarlyExitDraft, speculative_generate
+
+    prompt = tokens(5, 9)
+    want = kvlib.generate(model, prompt, 24)
+    got, stats = speculative_generate(model, prompt, 24, EarlyExitDraft(model, 1), k=3)
+    assert torch.equal(got, want) and stats.steps < 23  # some guesses were kept
