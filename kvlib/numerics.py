@@ -222,7 +222,8 @@ def record_json(machine: dict, inputs: dict, table: dict[str, Drift], div: Diver
 
 
 def machine() -> dict:
-    """The CPU's name, torch's version and ATen's vector capability: what a bf16 result depends on."""
+    """The CPU's name, torch's version, ATen's vector capability and the thread count: what a bf16 result
+    depends on (on the build machine, one thread and two gave bf16 logits up to 0.1 apart)."""
     import platform
 
     cpu = platform.processor() or platform.machine()
@@ -230,7 +231,8 @@ def machine() -> dict:
         cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()}
+    return {"cpu": cpu, "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads()}
 
 
 def _record(path: Path) -> None:

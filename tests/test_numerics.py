@@ -88,8 +88,8 @@ def test_the_bf16_record_is_what_this_machine_computes():
     st, stored = numerics.STUDY, numerics.load_bf16_record()
     table = numerics.drift_table(model, ids, st["start"], st["chunk"], others)
     tokens = kvlib.generate(model, prompt, st["n_new"])[0, len(prompt):].tolist()
-    if stored["machine"]["cpu"] == numerics.machine()["cpu"] and stored["machine"]["torch"] == torch.__version__:
+    if stored["machine"] == numerics.machine():  # the same CPU, torch and thread count: the same bits
         assert table == stored["table"] and tokens == stored["divergence"].cached
-    else:  # another CPU rounds bf16 its own way: the same story, other digits
+    else:  # another CPU or thread count rounds bf16 its own way: the same story, other digits
         for way, d in stored["table"].items():
             assert 0.25 < table[way].max_diff / d.max_diff < 4
