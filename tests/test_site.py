@@ -113,9 +113,10 @@ def chapter_pages() -> list[str]:
 
 
 def visible_chapter_links(page) -> int:
-    """Entries of the site's navigation (the home page, the chapters, the references) that a
-    reader can see, and tap, right now."""
-    return page.evaluate("""() => [...document.querySelectorAll('.bd-docs-nav li.toctree-l1 > a')]
+    """Entries of the site's navigation (the home page, the chapters, the pages filed under a
+    chapter, the references) that a reader can see, and tap, right now."""
+    return page.evaluate("""() => [...document.querySelectorAll(
+            '.bd-docs-nav li.toctree-l1 > a, .bd-docs-nav li.toctree-l2 > a')]
         .filter(a => { const r = a.getBoundingClientRect(); const s = getComputedStyle(a);
                        return r.width > 0 && r.height > 0 && s.visibility !== 'hidden'
                               && r.right > 0 && r.left < innerWidth; }).length""")

@@ -1,7 +1,7 @@
 """A Sphinx extension of the book's own: what the theme and myst-nb leave wrong on each page.
 
 Listed in ``_config.yml``'s ``extra_extensions``. It mends five things, each at the
-``html-page-context`` event, so no vendored file is patched by hand:
+``html-page-context`` event, so no vendored file is patched by hand, and sets one option:
 
 1. **The Colab and download buttons open the reader edition.** sphinx-book-theme points
    the rocket menu's Colab link at the chapter itself
@@ -21,6 +21,11 @@ Listed in ``_config.yml``'s ``extra_extensions``. It mends five things, each at 
 5. **A first visit logs no error.** With no ``default_mode`` set, pydata-sphinx-theme
    stores an empty theme mode for a browser that has never chosen one, then logs
    "Got invalid theme mode" on every page. The default is "auto" (follow the system).
+
+6. **Every page in the menu.** A page filed under a chapter (chapter 2's "When cached and
+   uncached disagree", 2.12) would sit in a collapsed branch of the sidebar on every other
+   page; ``show_navbar_depth`` 2 lists it open, at the ``config-inited`` event (setting it in
+   ``_config.yml`` would replace the theme options Jupyter Book derives from that file).
 
 The sidebar buttons are mended in ``js/site.js`` (pydata-sphinx-theme issue #2451).
 """
@@ -110,7 +115,13 @@ def copy_editions(app, exception) -> None:
             shutil.copy2(path, dest / path.name)
 
 
+def open_navbar(app, config) -> None:
+    """6: list the pages filed under a chapter open in the sidebar, on every page."""
+    config.html_theme_options = {**config.html_theme_options, "show_navbar_depth": 2}
+
+
 def setup(app) -> dict:
+    app.connect("config-inited", open_navbar)
     app.connect("html-page-context", drop_unused_widget_runtime, priority=400)
     app.connect("html-page-context", point_buttons, priority=600)
     app.connect("html-page-context", drop_repeated_scripts, priority=900)
