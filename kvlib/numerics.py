@@ -108,8 +108,9 @@ class Drift:
     """How far ``other`` logits are from ``reference`` ones, and what that does to greedy tokens.
 
     max_diff: the largest ``|reference - other|`` over every position and vocabulary entry.
-    near_ties: positions whose reference top-1 minus top-2 margin is below ``max_diff``,
-        where a difference that large *could* flip the greedy token.
+    near_ties: positions whose reference top-1 minus top-2 margin is below ``2 * max_diff``,
+        where a difference that large *could* flip the greedy token (each of the two logits
+        may move by up to ``max_diff``, in opposite directions).
     flips: positions where the two argmaxes differ; first_flip the first (None: none).
     """
 
@@ -138,7 +139,7 @@ def drift(reference: torch.Tensor, other: torch.Tensor) -> Drift:
     diff = float((reference.float() - other.float()).abs().max())
     m = margins(reference)
     flipped = (reference.argmax(-1) != other.argmax(-1)).nonzero().flatten().tolist()
-    return Drift(positions=len(m), max_diff=diff, min_margin=float(m.min()), near_ties=int((m < diff).sum()),
+    return Drift(positions=len(m), max_diff=diff, min_margin=float(m.min()), near_ties=int((m < 2 * diff).sum()),
                  flips=len(flipped), first_flip=flipped[0] if flipped else None)
 
 
