@@ -55,14 +55,19 @@ def recomputed(model: Transformer, ids: torch.Tensor, start: int = 0) -> torch.T
     return model(ids)[0, start:]
 
 
+def _stepwise(model: Transformer, batch: torch.Tensor, start: int) -> torch.Tensor:
+    """Prefill ``batch[:, :start + 1]``, then one decode step per later token; row 0's logits."""
+    cache = DynamicCache(model.config.n_layer)
+    rows = [model(batch[:, : start + 1], cache, last_only=True)[0]]  # (1, vocab)
+    rows += [model(batch[:, p : p + 1], cache)[0] for p in range(start + 1, batch.shape[1])]
+    return torch.cat(rows)
+
+
 @torch.inference_mode()
 def cached(model: Transformer, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """Prefill ``ids[:, :start + 1]``, then one decode step per later token: ``(T - start, vocab)``."""
-    T = _check(model, ids, start)
-    cache = DynamicCache(model.config.n_layer)
-    rows = [model(ids[:, : start + 1], cache, last_only=True)[0]]  # (1, vocab)
-    rows += [model(ids[:, p : p + 1], cache)[0] for p in range(start + 1, T)]
-    return torch.cat(rows)
+    _check(model, ids, start)
+    return _stepwise(model, ids, start)
 
 
 @torch.inference_mode()
@@ -80,11 +85,7 @@ def batched(model: Transformer, ids: torch.Tensor, others: torch.Tensor, start: 
     T = _check(model, ids, start)
     if not isinstance(others, torch.Tensor) or others.dim() != 2 or others.shape[1] != T:
         raise ValueError(f"others must be (B - 1, {T}) token ids, got {getattr(others, 'shape', others)!r}")
-    batch = torch.cat([ids, others.to(ids.device)])  # (B, T)
-    cache = DynamicCache(model.config.n_layer)
-    rows = [model(batch[:, : start + 1], cache, last_only=True)[0]]
-    rows += [model(batch[:, p : p + 1], cache)[0] for p in range(start + 1, T)]
-    return torch.cat(rows)
+    return _stepwise(model, torch.cat([ids, others.to(ids.device)]), start)  # (B, T): ours is row 0
 
 
 @torch.inference_mode()
