@@ -7,7 +7,7 @@ The top level holds what a chapter or an exercise reaches for first:
 * the model: `Transformer`, `ModelConfig`, `PRESETS`, `load_smollm2`, `Tokenizer`, `from_hf`;
 * caches: `Cache` (the protocol, an ``abc.ABC``), `CacheSpec`, `DynamicCache`,
   `StaticCache`, `PaddedBatch`, and the paged ones, `PagedCache` and `Engine`;
-* attention: `attention`, `grouped_attention`, `attention_mask`, `causal_mask`,
+* attention: `attention`, `grouped_attention`, `decode_attention`, `attention_mask`, `causal_mask`,
   `repeat_kv`, `softmax`;
 * generation: `SamplingParams`, `sample`, `prefill`, `decode_step`, `generate`,
   `generate_naive`, `stream`.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 
-from .attention import attention, attention_mask, causal_mask, grouped_attention, repeat_kv, softmax
+from .attention import attention, attention_mask, causal_mask, decode_attention, grouped_attention, repeat_kv, softmax
 from .cache import Cache, CacheSpec, DynamicCache, StaticCache
 from .config import PRESETS, ModelConfig
 from .generate import decode_step, generate, generate_naive, prefill, stream
@@ -66,7 +66,7 @@ __all__ = [
     # caches
     "Cache", "CacheSpec", "DynamicCache", "Engine", "PaddedBatch", "PagedCache", "StaticCache",
     # attention
-    "attention", "attention_mask", "causal_mask", "grouped_attention", "repeat_kv", "softmax",
+    "attention", "attention_mask", "causal_mask", "decode_attention", "grouped_attention", "repeat_kv", "softmax",
     # generation
     "SamplingParams", "decode_step", "generate", "generate_naive", "prefill", "sample", "stream",
 ]

@@ -147,7 +147,7 @@ def switch(model: "Transformer", on: bool, rope_cos_sin: Callable[..., tuple[tor
         raise TypeError(f"on must be a bool, got {type(on).__name__}")
     linears = [model.lm_head] + [m for b in model.layers for m in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)]
     if not all(hasattr(m, "batch_invariant") for m in linears):
-        raise TypeError("set_batch_invariant needs plain kvlib Linear layers; this model has quantized ones")
+        raise TypeError("set_batch_invariant needs plain kvlib Linear layers; this model has quantized or prepacked ones")
     for m in model.modules():
         if isinstance(getattr(type(m), "batch_invariant", None), bool):  # Linear, RMSNorm, MLP (not the model)
             m.batch_invariant = on

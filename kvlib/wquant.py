@@ -225,7 +225,11 @@ def stored_bytes(model: nn.Module) -> int:
         raise TypeError(f"stored_bytes needs an nn.Module, got {type(model).__name__}")
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        try:
+            key = t.data_ptr()
+        except RuntimeError:  # an opaque oneDNN tensor (`kvlib.prepack`): no storage to share
+            key = ("opaque", id(t))
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total

@@ -172,3 +172,68 @@ def test_only_a_query_that_sees_nothing_is_let_see_itself():
     right = torch.tensor([[True, True, False, False]])  # a decode query at column 1 of a wider cache
     m = attention_mask(1, 4, right, pads_see_themselves=True)[0, 0]
     assert m.tolist() == [[True, True, False, False]]
+
+
+# -- decode_attention: a KV head read once for all the query heads it serves ----------------------
+from kvlib import decode_attention  # noqa: E402
+from kvlib.attention import attend  # noqa: E402
+
+DECODE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6),  # fp32, another summation order
+              torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}  # bf16: 8 significant bits
+
+
+@given(B=st.integers(1, 3), H_kv=st.integers(1, 4), G=st.integers(1, 5), S=st.integers(1, 40),
+       padded=st.booleans(), bf16=st.booleans(), seed=st.integers(0, 10_000))
+def test_decode_attention_matches_sdpa_for_any_group_size_and_padding(B, H_kv, G, S, padded, bf16, seed):
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q = torch.randn(B, H_kv * G, 1, 16, generator=g).to(dtype)
+    k, v = (torch.randn(B, H_kv, S, 16, generator=g).to(dtype) for _ in range(2))
+    mask = None
+    if padded:  # left padding per row; the newest key (the token itself) is never padding
+        pads = torch.randint(0, S, (B,), generator=g)
+        mask = (torch.arange(S)[None] >= pads[:, None])[:, None, None]  # (B, 1, 1, S)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(decode_attention(q, k, v, mask), want, **DECODE_TOL[dtype])
+
+
+def test_decode_attention_keeps_each_query_head_on_its_own_kv_head():
+    # Query head h reads KV head h // G. A grouping that mixed the order (g-major instead
+    # of kv-major) would still look like attention, so plant values that tell heads apart.
+    B, H_kv, G, S, D = 1, 3, 3, 5, 8
+    q = torch.zeros(B, H_kv * G, 1, D)  # equal scores: the output is each KV head's mean value
+    k = torch.randn(B, H_kv, S, D)
+    v = torch.arange(H_kv, dtype=torch.float32).view(1, H_kv, 1, 1).expand(B, H_kv, S, D)
+    y = decode_attention(q, k, v)  # (1, 9, 1, 8)
+    assert y[0, :, 0, 0].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    q2, v = torch.randn(B, H_kv * G, 1, D), torch.randn(B, H_kv, S, D)  # random queries, values:
+    wrong = torch.nn.functional.scaled_dot_product_attention(  # query heads grouped g-major
+        q2.reshape(B, G, H_kv, D).transpose(1, 2), k, v).reshape(B, H_kv * G, 1, D)
+    right = torch.nn.functional.scaled_dot_product_attention(q2, k, v, enable_gqa=True)
+    assert not torch.allclose(wrong, right)  # the check below can fail
+    torch.testing.assert_close(decode_attention(q2, k, v), right, **DECODE_TOL[torch.float32])
+
+
+def test_attend_sends_fp32_cpu_decode_steps_with_gqa_to_decode_attention(monkeypatch):
+    import sys
+    A = sys.modules["kvlib.attention"]  # the module (kvlib.attention the name is the function)
+    calls = []
+    monkeypatch.setattr(A, "decode_attention", lambda *a: calls.append(a[0].dtype) or a[0])
+    q, k = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 4, 8)
+    attend(q, k, k, None)  # fp32 decode with GQA: grouped
+    attend(q.bfloat16(), k.bfloat16(), k.bfloat16(), None)  # bf16: SDPA's own path
+    attend(torch.randn(1, 2, 1, 8), k, k, None)  # no GQA: nothing to share
+    attend(torch.randn(1, 6, 4, 8), k, k, None)  # a prefill: many queries
+    attend(q, k, k, None, "reference")  # another kernel asked for
+    assert calls == [torch.float32]
+
+
+@pytest.mark.parametrize("q_shape, mask_shape, match", [
+    ((1, 4, 2, 8), None, "one query"),
+    ((1, 4, 1, 8), (1, 1, 2, 5), r"mask must be bool \(1 or 1, 1, 1, 5\)"),
+])
+def test_decode_attention_refuses_what_it_cannot_compute(q_shape, mask_shape, match):
+    k = torch.randn(1, 2, 5, 8)
+    mask = None if mask_shape is None else torch.ones(mask_shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match=match):
+        decode_attention(torch.randn(q_shape), k, k, mask)
