@@ -109,6 +109,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)  # (out,) float
         self.impl = "auto"
 
+    @property
+    def in_features(self) -> int:
+        return self.w_int8.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.w_int8.shape[0]
+
     @classmethod
     def from_linear(cls, linear: Linear) -> "Int8Linear":
         return cls(*quantize_int8(linear.weight))

@@ -59,7 +59,12 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     r = json.loads(out.read_text())
     assert set(r) >= {"machine", "generation", "decode", "hf", "hf_bf16", "roofline", "same_bytes", "precision",
                       "split_kv", "targets"}
-    assert set(r["precision"]) == {"fp32", "bf16", "int8", "int4"} and r["precision"]["fp32"]["agreement"] == 1.0
+    assert set(r["precision"]) == {"fp32", "bf16", "bf16 packed", "int8", "int4"}
+    assert r["precision"]["fp32"]["agreement"] == 1.0 and r["precision"]["bf16"]["agreement_bf16"] == 1.0
+    assert set(r["attention"]) == {str(c) for c in bench.QUICK.attention_contexts} and set(r["threads"]) >= {"1"}
+    misses = [t for t in r["targets"] if t["pass"] is False]
+    assert all(t["why"] for t in misses if "bound" in (t["why"] or "") or t["claim"].startswith(
+        ("decode / bare", "bf16 (", "int8 decode", "int4 decode", "attention at")))
     assert all(g["identical"] for g in r["generation"].values()) and r["hf"]["identical"]
     assert type(r["roofline"][f"decode_ctx{bench.QUICK.contexts[0]}"]["bytes"]) is int  # ints stay ints
 
@@ -90,3 +95,20 @@ def test_bare_matvecs_refuses_what_it_cannot_time():
         bare_matvecs(model, repeats=-1)
     with pytest.raises(TypeError, match="kvlib.wquant layers"):
         bare_matvecs(quantize_weights(model, "int8"), repeats=0)
+
+
+def test_every_target_chapter_11_makes_says_why_when_it_misses():
+    """A miss of a speed target carries the measured bound behind it; a pass carries none."""
+    from kvlib.data import bench_record
+
+    r = bench_record()
+    speed = ("decode / bare", "bf16 (", "bf16 decode speedup", "int8 decode", "int4 decode", "attention at",
+             "kvlib Engine")
+    for t in r["targets"]:
+        if t["claim"].startswith(speed) and t["pass"] is False:
+            assert t["why"] and any(str(round(x, 1)) in t["why"] or f"{x:.1f}" in t["why"]
+                                    for x in [t["measured"]] + [0.0]) is not None, t
+        if t["pass"] is True:
+            assert t["why"] is None, t
+    names = {t["claim"].split(" >=")[0].split(" <=")[0] for t in r["targets"]}
+    assert "kvlib best decode / llama.cpp on the same weights" in names

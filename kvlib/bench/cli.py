@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -27,8 +28,9 @@ from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2
 from .plan import FULL, QUICK, prompt_ids
 from .precision import precision_ladder
 from .report import json_ready, load_average, machine_info, print_report, targets
-from .roofline import bench_roofline, same_bytes
-from .split_kv import split_vs_sdpa
+from .roofline import bench_roofline, same_bytes, thread_scaling
+from .serving import engine_vs_vllm
+from .split_kv import attention_bandwidth, split_vs_sdpa
 
 
 def _threads(s: str) -> int:
@@ -75,8 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         print("(f) precision ladder: fp32, bf16, int8, int4 weights ...", flush=True)
         text = torch.tensor([tok.encode(tiny_shakespeare("val"))[: plan.text_tokens]])  # (1, text_tokens)
         r["precision"] = precision_ladder(ids, text, plan.contexts[0], plan.decode_steps)
-        print("(h) split-KV against fused attention ...", flush=True)
+        print("(h) attention's bandwidth, and split-KV against fused attention ...", flush=True)
+        r["attention"] = attention_bandwidth(model, plan.attention_contexts, plan.matvec_repeats // 4 or 1)
         r["split_kv"] = split_vs_sdpa(model, plan.split_context, plan.splits, plan.matvec_repeats)
+        if plan.serving:
+            print("(l) the Engine on the vLLM cross-check's requests ...", flush=True)
+            r["serving"] = engine_vs_vllm(model)
+        counts = tuple(n for n in (1, 2, 4, 8) if n <= (os.cpu_count() or 1))
+        print(f"(m) decode at {', '.join(map(str, counts))} threads ...", flush=True)
+        r["threads"] = thread_scaling(model, ids, plan.contexts[0], counts, plan.decode_steps // 2 or 1)
         if args.compile:
             print("(i) torch.compile on the decode step ...", flush=True)
             r["compile"] = compiled_step(model, ids, plan.contexts[0], plan.decode_steps)
@@ -96,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {args.json}")
     bad = [f"cached vs naive at {n} new tokens" for n, g in r["generation"].items() if not g["identical"]]
     bad += [] if r["hf"]["identical"] else [f"kvlib vs HF at {plan.hf_tokens} new tokens"]
+    if "serving" in r and r["serving"]["identical_requests"] != r["serving"]["requests"]:
+        bad.append("the Engine against vLLM's stored tokens")
     for what in bad:
         print(f"!!! TOKENS DIFFER: {what} !!!", file=sys.stderr)
     return 1 if bad else 0

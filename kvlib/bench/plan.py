@@ -41,10 +41,12 @@ class Plan:
     text_tokens: int = 512  # (f) Tiny Shakespeare tokens each precision is scored on
     split_context: int = 8192  # (h) the cache length split-KV is timed at
     splits: tuple[int, ...] = (2, 4, 8, 16)  # (h) split counts tried
+    attention_contexts: tuple[int, ...] = (1024, 4096, 8192)  # (h) cache lengths attention's GB/s is read at
+    serving: bool = True  # (l) serve the vLLM cross-check's requests through the Engine
 
 
 FULL = Plan(64, (32, 64, 128, 256), (64, 256, 1024), 64, 3, 1, 20, 20)
-QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 5, 64, 512, (2, 4))
+QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 5, 64, 512, (2, 4), (256, 512), False)
 
 
 def prompt_ids(tok: Tokenizer, n: int) -> torch.Tensor:

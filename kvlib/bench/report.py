@@ -22,6 +22,7 @@ import platform
 import torch
 
 from .plan import Plan
+from .precision import BATCH
 from .roofline import MATVEC_BIG, MATVEC_COUNT, MATVEC_SMALL
 
 
@@ -81,12 +82,23 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
     for name, p in prec.items():
         rows.append(("precision", f"{name} weights, context {plan.contexts[0]}", f"{p['ms']:.1f} ms/token",
                      f"fp32 {prec['fp32']['ms']:.1f} ms", f"{p['speedup']:.2f}x",
-                     f"{p['weight_bytes'] / 1e6:.0f} MB; ppl {p['perplexity']:.2f} ({100 * (p['ppl_ratio'] - 1):+.1f}%); "
-                     f"agreement {p['agreement']:.3f}"))
+                     f"{p['weight_bytes'] / 1e6:.0f} MB; matrices alone {p['kernel_ms']:.1f} ms "
+                     f"({p['kernel_speedup']:.2f}x), overhead {p['overhead_ms']:.1f} ms"))
+        rows.append(("", f"  batch {BATCH}", f"{p['ms_b8']:.1f} ms/step", f"fp32 {prec['fp32']['ms_b8']:.1f} ms",
+                     f"{p['speedup_b8']:.2f}x", f"matrices alone {p['kernel_ms_b8']:.1f} ms "
+                     f"({p['kernel_speedup_b8']:.2f}x)"))
+        rows.append(("", "  quality", f"ppl {p['perplexity']:.2f}", "vs fp32 | bf16",
+                     f"{100 * (p['ppl_ratio'] - 1):+.1f}% | {100 * (p['ppl_ratio_bf16'] - 1):+.1f}%",
+                     f"agreement {p['agreement']:.3f} | {p['agreement_bf16']:.3f}"))
     h = r["hf_bf16"]  # (g)
     rows.append(("vs HF", f"bf16, prompt {plan.prompt_len} + {h['new_tokens']}", f"kvlib {h['kvlib_tok_s']:.1f} tok/s",
                  f"HF {h['hf_tok_s']:.1f} tok/s", f"{h['ratio']:.2f}x",
                  f"first {h['identical_prefix']} of {h['new_tokens']} new tokens identical"))
+    for ctx, a in r.get("attention", {}).items():  # (h)
+        rows.append(("attention", f"decode, context {int(ctx):,}, all layers",
+                     f"grouped {a['grouped']:.1f} GB/s", f"sdpa {a['sdpa']:.1f} GB/s",
+                     f"{a['grouped'] / a['sdpa']:.2f}x", f"matvec over the same bytes {a['matvec']:.1f} GB/s: "
+                     f"grouped {100 * a['grouped'] / a['matvec']:.0f}%, sdpa {100 * a['sdpa'] / a['matvec']:.0f}%"))
     sk = r["split_kv"]  # (h)
     for name, ms in sk.items():
         if name != "sdpa":
@@ -109,6 +121,17 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
                          f"default {v['ms'][f'default {what}']:.1f} ms", f"{v[f'{what}_ratio']:.1f}x slower",
                          "cached = recomputed bit for bit: " + ", ".join(
                              f"{k} {'yes' if b else 'no'}" for k, b in v["cached_equals_recomputed"].items())))
+    if "serving" in r:  # (l)
+        v = r["serving"]
+        rows.append(("vs vLLM", f"Engine, {v['requests']} requests, {v['tokens']:,} tokens",
+                     f"kvlib {v['kvlib_tok_s']:.1f} tok/s", f"vLLM compiled {v['vllm_compiled_tok_s']:.1f}",
+                     f"{v['vs_compiled']:.2f}x", f"vLLM eager {v['vllm_eager_tok_s']:.1f} ({v['vs_eager']:.2f}x), "
+                     f"stored {v['vllm_date']}; {v['identical_requests']}/{v['requests']} requests' tokens same"))
+    for n, t in r.get("threads", {}).items():  # (m)
+        one = r["threads"]["1"]
+        rows.append(("threads", f"{n}, decode context {plan.contexts[0]}", f"{t['decode_ms']:.1f} ms",
+                     "1 thread", f"{one['decode_ms'] / t['decode_ms']:.2f}x",
+                     f"matrices alone {t['kernel_ms']:.1f} ms ({one['kernel_ms'] / t['kernel_ms']:.2f}x)"))
     f = r["roofline"]  # (d), last: it reads the decode steps of (b) against the matvec ceilings
     big, small = f"{MATVEC_BIG}x{MATVEC_BIG}", f"{MATVEC_SMALL[0]}x{MATVEC_SMALL[1]}"
     for name, label in (("big", big), ("small", f"{MATVEC_COUNT} x {small}")):
@@ -124,35 +147,72 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
 
 
 # -- the targets ----------------------------------------------------------------------------
+def _why(cond: bool, text: str) -> str | None:
+    return text if cond else None
+
+
 def targets(r: dict, plan: Plan) -> list[dict]:
     """The book's claims, each with its measured value (None if this plan does not measure it).
 
     ``pass`` is True or False, or None when not measured; a claim with an extra condition
     (kvlib vs HF in fp32 must also give identical tokens) passes only if that holds too.
+    ``why`` is the measured bound behind a miss, where the run measured one: the kernels'
+    own speed over the same matrices, the overhead above them, attention's own bandwidth.
     """
     g, d, f, h = r["generation"], r["decode"], r["roofline"], r["hf"]
     sb, p, hb = r["same_bytes"], r["precision"], r["hf_bf16"]
     lo, hi = plan.contexts[0], plan.contexts[-1]
-    rows = [  # (claim, measured, op, threshold, also required)
-        ("cached/naive speedup at 128 new tokens", g["128"]["speedup"] if "128" in g else None, ">=", 5.0, True),
-        ("cached/naive speedup at 256 new tokens", g["256"]["speedup"] if "256" in g else None, ">=", 10.0, True),
-        (f"decode latency(ctx {hi}) / latency(ctx {lo})", d[str(hi)]["ratio"], "<=", 1.5, True),
-        ("kvlib/HF tokens/s, fp32, identical tokens", h["ratio"], ">=", 1.3, h["identical"]),
-        (f"decode (ctx {lo}) / {MATVEC_BIG}^2 matvec bandwidth", f[f"decode_ctx{lo}"]["fraction"], ">=", 0.6, True),
+    p32, b16 = p["fp32"], p["fp32"].get("best_bf16", "bf16")
+    att = r.get("attention", {}).get(str(max(plan.attention_contexts)))
+    v = r.get("serving")
+
+    def kernels(name: str, over: str, b8: bool = False) -> str:
+        key, ms = ("kernel_ms_b8", "ms_b8") if b8 else ("kernel_ms", "ms")
+        x = p[over][key] / p[name][key]
+        return (f"bound: {name}'s matrix kernels alone are {x:.2f}x {over}'s over the same matrices "
+                f"({p[name][key]:.1f} against {p[over][key]:.1f} ms), and its overhead above them is "
+                f"{p[name][ms] - p[name][key]:.1f} ms against {p[over][ms] - p[over][key]:.1f}")
+
+    rows = [  # (claim, measured, op, threshold, also required, why it misses)
+        ("cached/naive speedup at 128 new tokens", g["128"]["speedup"] if "128" in g else None, ">=", 5.0, True, None),
+        ("cached/naive speedup at 256 new tokens", g["256"]["speedup"] if "256" in g else None, ">=", 10.0, True, None),
+        (f"decode latency(ctx {hi}) / latency(ctx {lo})", d[str(hi)]["ratio"], "<=", 1.5, True, None),
+        ("kvlib/HF tokens/s, fp32, identical tokens", h["ratio"], ">=", 1.3, h["identical"], None),
+        (f"decode (ctx {lo}) / {MATVEC_BIG}^2 matvec bandwidth", f[f"decode_ctx{lo}"]["fraction"], ">=", 0.6, True, None),
         # chapter 11's: the decode-speed sections
-        ("decode / bare matvecs over the same matrices", sb["matvec_ms"] / sb["decode_ms"], ">=", 0.8, True),
-        ("bf16 decode speedup over fp32", p["bf16"]["speedup"], ">=", 1.6, True),
-        ("bf16 perplexity / fp32 (within 1%)", p["bf16"]["ppl_ratio"], "<=", 1.01, True),
-        ("bf16 next-token agreement with fp32", p["bf16"]["agreement"], ">=", 0.97, True),
-        ("int8 decode speedup over fp32", p["int8"]["speedup"], ">=", 2.5, True),
-        ("int8 perplexity / fp32 (within 2%)", p["int8"]["ppl_ratio"], "<=", 1.02, True),
-        ("int8 next-token agreement with fp32", p["int8"]["agreement"], ">=", 0.95, True),
-        ("kvlib/HF tokens/s, bf16", hb["ratio"], ">=", 1.3, True),
+        ("decode / bare matvecs over the same matrices", sb["matvec_ms"] / sb["decode_ms"], ">=", 0.8, True,
+         f"bound: the step's overhead above its matrices, {p32['overhead_ms']:.1f} ms of {p32['ms']:.1f} "
+         "(norms, RoPE, attention, the cache, the dispatcher), which only fusion removes: see (i)"),
+        (f"bf16 ({b16}) decode speedup over fp32, batch 1", p[b16]["speedup"], ">=", 1.6, True, kernels(b16, "fp32")),
+        (f"bf16 decode speedup over fp32, batch {BATCH}", max(p[n]["speedup_b8"] for n in ("bf16", "bf16 packed") if n in p),
+         ">=", 2.0, True, kernels("bf16 packed" if "bf16 packed" in p else "bf16", "fp32", True)),
+        ("bf16 perplexity / fp32 (within 1%)", p["bf16"]["ppl_ratio"], "<=", 1.01, True, None),
+        ("bf16 next-token agreement with fp32", p["bf16"]["agreement"], ">=", 0.97, True, None),
+        ("int8 decode speedup over bf16", p["int8"]["vs_bf16"], ">=", 1.6, True, kernels("int8", b16)),
+        ("int8 perplexity / bf16 (within 2%)", p["int8"]["ppl_ratio_bf16"], "<=", 1.02, True, None),
+        ("int8 next-token agreement with bf16", p["int8"]["agreement_bf16"], ">=", 0.95, True, None),
+        ("int4 decode speedup over bf16", p["int4"]["vs_bf16"] if "int4" in p else None, ">=", 2.0, True,
+         kernels("int4", b16) if "int4" in p else None),
+        (f"attention at {max(plan.attention_contexts):,} tokens / matvec bandwidth",
+         None if att is None else att["grouped"] / att["matvec"], ">=", 0.7, True,
+         None if att is None else
+         f"bound: the fused kernel's own rate, {att['grouped']:.1f} GB/s with each KV head read once "
+         f"({att['sdpa']:.1f} reading it once per query head), against {att['matvec']:.1f} for a matvec: "
+         "it computes scores for a few queries per block of keys, which a streaming matvec does not"),
+        ("kvlib/HF tokens/s, bf16", hb["ratio"], ">=", 1.3, True, None),
+        ("kvlib Engine / vLLM CPU compiled, tokens/s", None if v is None else v["vs_compiled"], ">=", 1.3,
+         v is None or v["identical_requests"] == v["requests"],
+         None if v is None else
+         f"vLLM's compiled run fuses its step with torch.compile, and kvlib's Engine runs eager: against "
+         f"vLLM eager it is {v['vs_eager']:.2f}x (both stored runs from {v['vllm_date']})"),
+        ("kvlib best decode / llama.cpp on the same weights", None, ">=", 0.5, True,
+         "not measured: llama-cpp-python builds from source (about 15 minutes here), so it is kept out of CI"),
     ]
     out = []
-    for claim, value, op, threshold, also in rows:
+    for claim, value, op, threshold, also, why in rows:
         ok = None if value is None else also and (value >= threshold if op == ">=" else value <= threshold)
-        out.append({"claim": f"{claim} {op} {threshold:g}", "measured": value, "pass": ok})
+        out.append({"claim": f"{claim} {op} {threshold:g}", "measured": value, "pass": ok,
+                    "why": why if ok is not True else None})
     return out
 
 
@@ -168,7 +228,9 @@ def print_report(r: dict, plan: Plan) -> None:
     for t in r["targets"]:
         verdict = {None: "n/a ", True: "PASS", False: "MISS"}[t["pass"]]
         shown = "not measured" if t["measured"] is None else f"{t['measured']:.2f}"
-        print(f"  {verdict}  {t['claim']:<56} measured {shown}")
+        print(f"  {verdict}  {t['claim']:<60} measured {shown}")
+        if t.get("why"):
+            print(f"        why: {t['why']}")
 
 
 def json_ready(x: object) -> object:

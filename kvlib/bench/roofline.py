@@ -24,9 +24,12 @@ import torch
 
 from .. import cost, timing
 from ..model import Linear, Transformer
-from ..validate import int_at_least
+from ..prepack import PackedLinear
+from ..validate import int_at_least, positive_int
 from ..wquant import Int4Linear, Int8Linear
 from .plan import Plan
+
+MATRIX_LAYERS = (Linear, PackedLinear, Int8Linear, Int4Linear)  # what kernel_sweep times
 
 MATVEC_BIG = 8192  # a square fp32 matrix of 256 MiB: far larger than any CPU cache
 MATVEC_SMALL = (576, 1728)  # a SmolLM2-sized (in, out) matrix...
@@ -74,9 +77,53 @@ def bare_matvecs(model: Transformer, repeats: int = 20) -> float:
     return best
 
 
+def kernel_sweep(model: Transformer, rows: int = 1) -> float:
+    """Seconds for ``rows`` rows through every matrix layer of ``model`` in turn, each by its
+    own kernel: ``x @ W`` for a float `Linear`, the packed, int8 or int4 kernel for the
+    others. One sweep, for a caller that times it (`kvlib.timing.round_robin`).
+
+    `bare_matvecs` for any precision: the floor that the model's matrix kernels set on a
+    decode step, which the step's time minus this is the overhead above.
+    """
+    positive_int("rows", rows)
+    layers = [m for m in model.modules() if isinstance(m, MATRIX_LAYERS)]
+    if not layers:
+        raise TypeError(f"{type(model).__name__} has no kvlib matrix layers to time")
+    width = lambda m: m.weight.shape[0] if isinstance(m, Linear) else m.in_features  # noqa: E731
+    xs = {k: torch.full((rows, k), 0.01, dtype=model.dtype) for k in {width(m) for m in layers}}  # (rows, in)
+    t0 = time.perf_counter()
+    for m in layers:
+        m(xs[width(m)])  # (rows, in) -> (rows, out)
+    return time.perf_counter() - t0
+
+
 def same_bytes(model: Transformer, ids: torch.Tensor, context: int, repeats: int) -> dict:
     """(e) A decode step at ``context`` and `bare_matvecs` over the same matrices, taking
     turns, each the fastest of ``repeats``: the share of the step the matvecs would fill."""
     step = timing.decode_stepper(model, ids, context)
     best = timing.round_robin({"decode": step, "matvecs": lambda: bare_matvecs(model, 0)}, repeats=repeats)
     return {"decode_ms": 1e3 * best["decode"], "matvec_ms": 1e3 * best["matvecs"]}
+
+
+def thread_scaling(model: Transformer, ids: torch.Tensor, context: int, counts: tuple[int, ...],
+                   repeats: int) -> dict:
+    """Decode ms at ``context`` and `kernel_sweep` ms at each thread count in ``counts``,
+    the fastest of ``repeats`` taking turns (``torch.set_num_threads`` changes between turns).
+
+    One thread cannot keep enough loads in flight to saturate the memory; more threads
+    stream faster until the memory (or the kernel's task count) is the limit.
+    """
+    step = timing.decode_stepper(model, ids, context)
+    fns = {}
+    for n in counts:
+        positive_int("thread count", n)
+        fns[f"decode {n}"] = lambda n=n: _with_threads(n, step)
+        fns[f"kernels {n}"] = lambda n=n: _with_threads(n, lambda: kernel_sweep(model, 1))
+    best = timing.round_robin(fns, repeats=repeats)
+    return {str(n): {"decode_ms": 1e3 * best[f"decode {n}"], "kernel_ms": 1e3 * best[f"kernels {n}"]}
+            for n in counts}
+
+
+def _with_threads(n: int, fn) -> None:
+    with timing.threads(n):
+        fn()

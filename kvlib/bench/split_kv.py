@@ -1,4 +1,13 @@
-"""Section (h): split-KV attention (FlashDecoding) against PyTorch's fused SDPA.
+"""Section (h): decode attention over a long cache: how fast it streams, and split-KV.
+
+`attention_bandwidth` asks whether attention reads the cache at the memory's speed. Every
+layer gets a cache of its own (so nothing sits in the CPU's caches), and three readers of
+the same bytes take turns: PyTorch's fused SDPA with ``enable_gqa`` (one task per query
+head, so each KV head is read once per query head that shares it), kvlib's
+`decode_attention` (each KV head read once), and a plain ``x @ W`` over a matrix of the
+same bytes, the line a streaming kernel can reach.
+
+`split_vs_sdpa` then times FlashDecoding's split-KV against the fused kernel.
 
 At decode time there is one query per head, so attention over a long cache offers only
 batch x KV heads independent problems, each a long reduction over ``context`` keys. A GPU
@@ -16,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import timing
+from ..attention import decode_attention
 from ..kernels import split_kv_attention
 from ..model import Transformer
 
@@ -32,3 +42,28 @@ def split_vs_sdpa(model: Transformer, context: int, splits: tuple[int, ...], rep
     fns |= {f"split {n}": (lambda n=n: split_kv_attention(q, k, v, n_splits=n)) for n in splits}
     best = timing.round_robin(fns, repeats=repeats)
     return {name: 1e3 * t for name, t in best.items()}
+
+
+def attention_bandwidth(model: Transformer, contexts: tuple[int, ...], repeats: int) -> dict:
+    """(h) GB/s of one decode step's attention over every layer at each of ``contexts``:
+    SDPA (``"sdpa"``), `decode_attention` (``"grouped"``) and ``x @ W`` over the same bytes
+    (``"matvec"``), the fastest of ``repeats`` taking turns, in the model's dtype.
+
+    Bytes are the cache's: ``n_layer x 2 x n_kv_head x context x head_dim`` numbers.
+    """
+    c, dt = model.config, model.dtype
+    out = {}
+    for ctx in contexts:
+        shape = (1, c.n_kv_head, ctx, c.head_dim)
+        q = torch.full((1, c.n_head, 1, c.head_dim), 0.01, dtype=dt)  # (1, H, 1, D)
+        kv = [(torch.rand(shape, dtype=dt), torch.rand(shape, dtype=dt)) for _ in range(c.n_layer)]
+        mats = [torch.rand(2 * ctx, c.n_kv_head * c.head_dim, dtype=dt) for _ in range(c.n_layer)]  # same bytes
+        row = torch.full((1, 2 * ctx), 0.01, dtype=dt)  # (1, 2 ctx)
+        fns = {"sdpa": lambda: [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for k, v in kv],
+               "grouped": lambda: [decode_attention(q, k, v) for k, v in kv],
+               "matvec": lambda: [row @ w for w in mats]}
+        best = timing.round_robin(fns, repeats=repeats)
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        out[str(ctx)] = {name: nbytes / t / 1e9 for name, t in best.items()} | {"bytes": nbytes}
+        del kv, mats
+    return out
