@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -62,9 +63,8 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert set(r["precision"]) == {"fp32", "bf16", "bf16 packed", "int8", "int4"}
     assert r["precision"]["fp32"]["agreement"] == 1.0 and r["precision"]["bf16"]["agreement_bf16"] == 1.0
     assert set(r["attention"]) == {str(c) for c in bench.QUICK.attention_contexts} and set(r["threads"]) >= {"1"}
-    misses = [t for t in r["targets"] if t["pass"] is False]
-    assert all(t["why"] for t in misses if "bound" in (t["why"] or "") or t["claim"].startswith(
-        ("decode / bare", "bf16 (", "int8 decode", "int4 decode", "attention at")))
+    speed = ("decode / bare", "bf16 (", "bf16 decode speedup", "int8 decode", "int4 decode", "attention at")
+    assert all(t["why"] for t in r["targets"] if t["pass"] is False and t["claim"].startswith(speed))
     assert all(g["identical"] for g in r["generation"].values()) and r["hf"]["identical"]
     assert type(r["roofline"][f"decode_ctx{bench.QUICK.contexts[0]}"]["bytes"]) is int  # ints stay ints
 
@@ -106,8 +106,7 @@ def test_every_target_chapter_11_makes_says_why_when_it_misses():
              "kvlib Engine")
     for t in r["targets"]:
         if t["claim"].startswith(speed) and t["pass"] is False:
-            assert t["why"] and any(str(round(x, 1)) in t["why"] or f"{x:.1f}" in t["why"]
-                                    for x in [t["measured"]] + [0.0]) is not None, t
+            assert re.search(r"\d+\.\d", t["why"] or ""), t  # a measured figure, not a phrase
         if t["pass"] is True:
             assert t["why"] is None, t
     names = {t["claim"].split(" >=")[0].split(" <=")[0] for t in r["targets"]}
