@@ -23,6 +23,11 @@ as well, for the embedding's rows (`PackedLinear.embedding_rows`).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
@@ -108,3 +113,68 @@ def prepack_weights(model: Transformer) -> Transformer:
     for parent, name, module in swaps:
         setattr(parent, name, module)
     return model
+
+
+@dataclass(frozen=True)
+class OneDNNCall:
+    """One line of oneDNN's verbose log: a primitive it ran, as `onednn_trace` parses it.
+
+    ``who``: ``"pack"`` (building the `PackedLinear`), ``"plain"`` (``x @ W``) or
+    ``"packed"``; ``primitive``: ``"reorder"``, ``"matmul"``, ``"inner_product"``;
+    ``kernel``: oneDNN's implementation (``brg_matmul:avx10_1_512_amx`` is AMX brgemm);
+    ``weights``: the weight's (for a reorder, the output's) memory layout, ``ab`` row-major,
+    ``AB16b64a2b`` packed; ``ms``: its time as oneDNN logged it.
+    """
+
+    who: str
+    primitive: str
+    kernel: str
+    weights: str
+    ms: float
+
+
+_TRACE = """
+import torch
+from kvlib.prepack import PackedLinear
+w = torch.randn({d_in}, {d_out}).to(torch.bfloat16)  # (in, out)
+x = torch.randn(1, {d_in}).to(torch.bfloat16)  # one decode row
+print("=== pack", flush=True)
+layer = PackedLinear(w)
+for _ in range({calls}):
+    print("=== plain", flush=True)
+    x @ w
+    print("=== packed", flush=True)
+    layer(x)
+print("=== end", flush=True)
+"""
+
+
+def onednn_trace(d_in: int = 576, d_out: int = 1536, calls: int = 3) -> list[OneDNNCall]:
+    """What oneDNN runs for one bf16 row times a ``(d_in, d_out)`` matrix, plain and packed.
+
+    Runs a fresh Python with ``ONEDNN_VERBOSE=1`` (oneDNN prints its log from C, to the
+    process's own stdout), which packs the matrix once, then calls ``x @ W`` and the
+    `PackedLinear` in turn, ``calls`` times each. Returns the primitives it logged, in
+    order. An empty list: this CPU's bf16 products do not go through oneDNN at all (no
+    AVX512-BF16 or AMX), so there is no repack to remove.
+    """
+    for name, v in (("d_in", d_in), ("d_out", d_out), ("calls", calls)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not available():
+        return []
+    script = _TRACE.format(d_in=d_in, d_out=d_out, calls=calls)
+    out = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, ONEDNN_VERBOSE="1"),
+                         capture_output=True, text=True, check=True).stdout
+    who, found = None, []
+    for line in out.splitlines():
+        if line.startswith("=== "):
+            who = line[4:]
+            continue
+        f = line.split(",")
+        if who in ("pack", "plain", "packed") and f[:4] == ["onednn_verbose", "v1", "primitive", "exec"]:
+            descs = f[8].split()  # "src:bf16::blocked:ab::f0 wei:bf16::blocked:AB16b64a2b::f0 ..."
+            key = "dst:" if f[5] == "reorder" else "wei:"
+            layout = next(d for d in descs if d.startswith(key)).split(":")[4]
+            found.append(OneDNNCall(who, f[5], f[6], layout, float(f[-1])))
+    return found

@@ -2,7 +2,7 @@
 
     python -m kvlib.bench [--json PATH] [--quick] [--threads N] [--compile] [--chunked] [--invariant]
 
-One run loads SmolLM2-135M and measures nine things (eleven with the flags), each section in the module of its
+One run loads SmolLM2-135M and measures eleven things (fourteen with the flags), each section in the module of its
 idea:
 
 ======  ==========================================================  =====================
@@ -11,12 +11,14 @@ idea:
 (c)     kvlib vs Hugging Face ``generate``, fp32, same weights       `kvlib.bench.huggingface`
 (d)     roofline: decode's bandwidth against a plain matvec's        `kvlib.bench.roofline`
 (e)     decode against bare matvecs over the model's own matrices    `kvlib.bench.roofline`
-(f)     precision ladder: fp32, bf16, int8, int4 weights             `kvlib.bench.precision`
+(f)     precision ladder: fp32, bf16, packed bf16, int8, int4        `kvlib.bench.precision`
 (g)     kvlib vs Hugging Face ``generate``, bf16                     `kvlib.bench.huggingface`
-(h)     split-KV (FlashDecoding) vs PyTorch's fused attention        `kvlib.bench.split_kv`
+(h)     attention's bandwidth; split-KV vs PyTorch's fused kernel    `kvlib.bench.split_kv`
 (i)     ``torch.compile`` on the decode step (``--compile`` only)    `kvlib.bench.compiled`
 (j)     engine pauses in a chunked prefill (``--chunked`` only)      `kvlib.bench.generation`
 (k)     batch-invariant mode vs default (``--invariant`` only)       `kvlib.bench.invariant`
+(l)     the `Engine` on the vLLM cross-check's requests              `kvlib.bench.serving`
+(m)     decode at 1, 2, 4, 8 threads (up to the CPU's count)         `kvlib.bench.roofline`
 ======  ==========================================================  =====================
 
 `kvlib.bench.plan` holds the sizes (`FULL`, the book's run; `QUICK`, a smoke test) and the
@@ -30,15 +32,17 @@ imports torch but not transformers (only (c) and (g) load it).
 """
 
 from .cli import main
-from .compiled import compiled_step
+from .compiled import compiled_step, operator_calls
 from .generation import bench_chunked_prefill, bench_decode, bench_generation, pauses_while_prefilling
 from .invariant import invariant_cost
 from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2, race_hf
 from .plan import FULL, PROMPT_TEXT, QUICK, Plan, prompt_ids
-from .precision import precision_ladder, scored
+from .precision import BATCH, ladder_models, precision_ladder, scored
 from .report import header, json_ready, load_average, machine_info, print_report, table_rows, targets
-from .roofline import MATVEC_BIG, MATVEC_COUNT, MATVEC_SMALL, bare_matvecs, bench_roofline, same_bytes
-from .split_kv import split_vs_sdpa
+from .roofline import (MATVEC_BIG, MATVEC_COUNT, MATVEC_SMALL, bare_matvecs, bench_roofline, kernel_sweep, same_bytes,
+                       thread_scaling)
+from .serving import engine_vs_vllm
+from .split_kv import attention_bandwidth, split_vs_sdpa
 
 __all__ = [
     # sizes and inputs
@@ -49,16 +53,19 @@ __all__ = [
     "load_hf_smollm2", "race_hf", "hf_vs_kvlib", "hf_bf16",
     # (d), (e)
     "MATVEC_BIG", "MATVEC_SMALL", "MATVEC_COUNT", "bench_roofline", "bare_matvecs", "same_bytes",
+    "kernel_sweep",
     # (f)
-    "scored", "precision_ladder",
+    "scored", "BATCH", "ladder_models", "precision_ladder",
     # (h)
-    "split_vs_sdpa",
+    "attention_bandwidth", "split_vs_sdpa",
     # (i)
-    "compiled_step",
+    "compiled_step", "operator_calls",
     # (j)
     "bench_chunked_prefill", "pauses_while_prefilling",
     # (k)
     "invariant_cost",
+    # (l), (m)
+    "engine_vs_vllm", "thread_scaling",
     # the report and the command line
     "load_average", "machine_info", "header", "table_rows", "targets", "print_report", "json_ready", "main",
 ]

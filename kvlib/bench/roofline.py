@@ -83,7 +83,7 @@ def kernel_sweep(model: Transformer, rows: int = 1) -> float:
     others. One sweep, for a caller that times it (`kvlib.timing.round_robin`).
 
     `bare_matvecs` for any precision: the floor that the model's matrix kernels set on a
-    decode step, which the step's time minus this is the overhead above.
+    decode step; the step's time minus this is the overhead above it.
     """
     positive_int("rows", rows)
     layers = [m for m in model.modules() if isinstance(m, MATRIX_LAYERS)]
