@@ -35,10 +35,13 @@ from .model import Linear, Transformer
 
 
 def available() -> bool:
-    """Whether this PyTorch build has oneDNN and its packed-linear ops."""
+    """Whether bf16 weights can be packed here: a PyTorch build with oneDNN and its
+    packed-linear ops, on a CPU whose oneDNN runs bf16 (AVX512 or AVX-NE-CONVERT and up;
+    an AVX2-only CPU, or ``DNNL_MAX_CPU_ISA=AVX2``, has no bf16 path to pack for)."""
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
+            and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_is_mkldnn_bf16_supported")
+            and bool(ops._is_mkldnn_bf16_supported()))
 
 
 class PackedLinear(nn.Module):
@@ -57,7 +60,8 @@ class PackedLinear(nn.Module):
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             raise ValueError(f"PackedLinear packs bf16 weights on the CPU, got {weight.dtype} on {weight.device}")
         if not available():
-            raise RuntimeError("this PyTorch build has no oneDNN packed-linear ops (torch.ops.mkldnn)")
+            raise RuntimeError("bf16 weights cannot be packed here: this PyTorch build has no oneDNN packed-linear "
+                               "ops (torch.ops.mkldnn), or this CPU's oneDNN has no bf16 path (kvlib.prepack.available())")
         K, N = weight.shape
         w = weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 1)  # (out, in), permuted inside
@@ -155,8 +159,8 @@ def onednn_trace(d_in: int = 576, d_out: int = 1536, calls: int = 3) -> list[One
     Runs a fresh Python with ``ONEDNN_VERBOSE=1`` (oneDNN prints its log from C, to the
     process's own stdout), which packs the matrix once, then calls ``x @ W`` and the
     `PackedLinear` in turn, ``calls`` times each. Returns the primitives it logged, in
-    order. An empty list: this CPU's bf16 products do not go through oneDNN at all (no
-    AVX512-BF16 or AMX), so there is no repack to remove.
+    order; an empty list where bf16 weights cannot be packed here (`available`). Where
+    the plain calls log nothing, ``x @ W`` does not go through oneDNN on this CPU.
     """
     for name, v in (("d_in", d_in), ("d_out", d_out), ("calls", calls)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
