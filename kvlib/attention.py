@@ -191,8 +191,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     handed to the same fused kernel as ``G`` *queries* of one head: ``(B, H_kv, G, D)``,
     one task per KV head, each KV head read once. A decode query has no causal limit
     (it is the newest token), so only a padding mask is needed, and it is the same for
-    every query row. This is how FlashAttention-3 and FlashInfer pack GQA decoding;
-    FlashAttention-2 launches one program per query head.
+    every query row. FlashAttention-3 and FlashInfer pack GQA decoding this way; the
+    FlashAttention-2 kernel runs one program per query head, and the flash-attn library
+    that ships it makes the same swap for one query per head (``seqlenq_ngroups_swapped``).
     """
     B, H, Tq, D, H_kv = _check_qkv(q, k, v)
     if Tq != 1:
@@ -206,6 +207,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return y.reshape(B, H, 1, D)
 
 
+def _groupable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `decode_attention` computes exactly what SDPA would for these inputs: one
+    query, GQA, fp32 on the CPU, k and v of one shape with q's batch, and no mask or a
+    bool padding mask ``(B or 1, 1, 1, S)``. Anything else (a broadcast batch, a float
+    mask) stays on SDPA, which takes it as it always did."""
+    B, H, Tq, _ = q.shape
+    return (Tq == 1 and H != k.shape[1] and q.device.type == "cpu" and q.dtype in GROUPED_DECODE_DTYPES
+            and k.shape == v.shape and k.shape[0] == B and H % k.shape[1] == 0
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, B)
+                                  and tuple(mask.shape[1:]) == (1, 1, k.shape[2]))))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            impl: AttentionImpl = "sdpa") -> torch.Tensor:
     """One layer's attention for a step: the mask decision, then the kernel ``impl``.
@@ -215,13 +228,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     or a fresh prefill (``Tq == Tk``: its own ``is_causal``); a chunk appended to a
     non-empty cache gets an explicit bottom-right mask, because SDPA's ``is_causal``
     aligns top-left. A CPU decode step with GQA in fp32 goes to `decode_attention`, which
-    reads each KV head once. Any other kernel always gets an explicit bool mask. The decision
+    reads each KV head once, where it computes what SDPA would (`_groupable`); inputs SDPA
+    broadcasts, or a float mask, stay on SDPA. Any other kernel always gets an explicit bool mask. The decision
     is made here, per layer and per step, so layers with different kernels each get
     what theirs needs.
     """
     Tq, Tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if impl == "sdpa" and Tq == 1 and gqa and q.device.type == "cpu" and q.dtype in GROUPED_DECODE_DTYPES:
+    if impl == "sdpa" and q.dim() == 4 and k.dim() == 4 and _groupable(q, k, v, mask):
         return decode_attention(q, k, v, mask)  # each KV head read once, not once per query head
     if impl == "sdpa" and mask is None and (Tq == 1 or Tq == Tk):
         return F.scaled_dot_product_attention(q, k, v, is_causal=Tq > 1, enable_gqa=gqa)

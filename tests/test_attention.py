@@ -228,6 +228,20 @@ def test_attend_sends_fp32_cpu_decode_steps_with_gqa_to_decode_attention(monkeyp
     assert calls == [torch.float32]
 
 
+def test_attend_leaves_what_decode_attention_cannot_take_to_sdpa_as_before():
+    # SDPA broadcasts a batch of one against another batch, and takes a float mask; attend
+    # must keep taking them (chapter 10 shows a cache whose keys lost their batch axis),
+    # so those steps do not go to decode_attention, which would refuse them.
+    q, k = torch.randn(2, 6, 1, 8), torch.randn(1, 2, 4, 8)
+    v = torch.randn(2, 2, 4, 8)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(attend(q, k, v, None), want, **DECODE_TOL[torch.float32])
+    k2 = torch.randn(2, 2, 4, 8)
+    bias = torch.randn(2, 1, 1, 4)  # a float mask: added to the scores
+    want = torch.nn.functional.scaled_dot_product_attention(q, k2, v, attn_mask=bias, enable_gqa=True)
+    torch.testing.assert_close(attend(q, k2, v, bias), want, **DECODE_TOL[torch.float32])
+
+
 @pytest.mark.parametrize("q_shape, mask_shape, match", [
     ((1, 4, 2, 8), None, "one query"),
     ((1, 4, 1, 8), (1, 1, 2, 5), r"mask must be bool \(1 or 1, 1, 1, 5\)"),
