@@ -5,7 +5,7 @@ read once and used for a single multiply-add, so the step can go no faster than 
 delivers bytes. Its ceiling is measured, not taken from a datasheet:
 
 (d) `kvlib.timing.matvec_bandwidth` times a vector times an fp32 matrix in both storage
-layouts, once for one matrix far larger than any cache (``MATVEC_BIG`` squared) and once
+layouts, once for one matrix larger than most CPUs' caches (``MATVEC_BIG`` squared) and once
 for ``MATVEC_COUNT`` distinct SmolLM2-sized ones. Dividing the bytes a step must read
 (`kvlib.cost.decode_bytes_per_token`) by the step's time from (b) gives the bandwidth the
 step achieved, and its fraction of each ceiling.
@@ -31,7 +31,7 @@ from .plan import Plan
 
 MATRIX_LAYERS = (Linear, PackedLinear, Int8Linear, Int4Linear)  # what kernel_sweep times
 
-MATVEC_BIG = 8192  # a square fp32 matrix of 256 MiB: far larger than any CPU cache
+MATVEC_BIG = 8192  # a square fp32 matrix of 256 MiB: larger than most CPUs' last-level cache (not all)
 MATVEC_SMALL = (576, 1728)  # a SmolLM2-sized (in, out) matrix...
 MATVEC_COUNT = 60  # ...times 60 distinct copies, so that they do not sit in cache
 
