@@ -198,8 +198,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     B, H, Tq, D, H_kv = _check_qkv(q, k, v)
     if Tq != 1:
         raise ValueError(f"decode_attention takes one query per sequence (a decode step), got q_len={Tq}")
-    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4
-                             or mask.shape[0] not in (1, B) or mask.shape[1:] != (1, 1, k.shape[2])):
+    if not _padding_mask(mask, B, k.shape[2]):
         raise ValueError(f"mask must be bool ({B} or 1, 1, 1, {k.shape[2]}), got {mask.dtype} {tuple(mask.shape)}")
     G = H // H_kv
     rows = q.reshape(B, H_kv, G, D)  # (B, H_kv, G, D): head h = kv * G + g becomes query row g of kv
@@ -207,16 +206,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return y.reshape(B, H, 1, D)
 
 
+def _padding_mask(mask: torch.Tensor | None, B: int, S: int) -> bool:
+    """Whether ``mask`` is what `decode_attention` takes: None, or bool ``(B or 1, 1, 1, S)``."""
+    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, B)
+                            and tuple(mask.shape[1:]) == (1, 1, S))
+
+
 def _groupable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether `decode_attention` computes exactly what SDPA would for these inputs: one
     query, GQA, fp32 on the CPU, k and v of one shape with q's batch, and no mask or a
     bool padding mask ``(B or 1, 1, 1, S)``. Anything else (a broadcast batch, a float
     mask) stays on SDPA, which takes it as it always did."""
+    if q.dim() != 4 or k.dim() != 4:
+        return False
     B, H, Tq, _ = q.shape
     return (Tq == 1 and H != k.shape[1] and q.device.type == "cpu" and q.dtype in GROUPED_DECODE_DTYPES
             and k.shape == v.shape and k.shape[0] == B and H % k.shape[1] == 0
-            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, B)
-                                  and tuple(mask.shape[1:]) == (1, 1, k.shape[2]))))
+            and _padding_mask(mask, B, k.shape[2]))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -235,7 +241,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     Tq, Tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if impl == "sdpa" and q.dim() == 4 and k.dim() == 4 and _groupable(q, k, v, mask):
+    if impl == "sdpa" and _groupable(q, k, v, mask):
         return decode_attention(q, k, v, mask)  # each KV head read once, not once per query head
     if impl == "sdpa" and mask is None and (Tq == 1 or Tq == Tk):
         return F.scaled_dot_product_attention(q, k, v, is_causal=Tq > 1, enable_gqa=gqa)

@@ -34,7 +34,7 @@ from .cache import StaticCache
 from .config import ModelConfig
 from .generate import decode_step
 from .model import Linear, Transformer
-from .native import fast_dtype  # noqa: F401  (re-exported: kvlib.hardware.fast_dtype)
+from .native import fast_dtype, last_level_cache_bytes  # noqa: F401  (re-exported here)
 from .validate import int_at_least, positive_int
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -1,7 +1,9 @@
-"""The dtype a device multiplies fastest: `fast_dtype`, and the limits it obeys.
+"""What the hardware is, asked rather than timed: `fast_dtype` (the dtype a device
+multiplies fastest, and the limits it obeys) and `last_level_cache_bytes`.
 
-A decision from the hardware's features and the environment, never from a timing, so
-it is the same on every run. `kvlib.hardware` re-exports it, where the chapters call it.
+Decisions from the hardware's features and the environment, never from a timing, so
+they are the same on every run. `kvlib.hardware` re-exports them, where the chapters
+call them.
 """
 
 from __future__ import annotations
@@ -55,3 +57,35 @@ def fast_dtype(device: str | torch.device | None = None) -> torch.dtype:
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     native = any(getattr(torch.cpu, name, lambda: False)() for name in probes)
     return torch.bfloat16 if native else torch.float32
+
+
+_SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The size of CPU 0's largest-level cache, in bytes, as the OS reports it; None
+    where it does not (only Linux exposes ``root``, one ``index*`` directory per cache).
+
+    A matrix smaller than this can stay in the cache from one step to the next, so a
+    "memory bandwidth" measured on it may be partly the cache's. Server CPUs' last-level
+    caches reach hundreds of MB, as large as a small model's weights.
+    """
+    best = None  # (level, bytes)
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for name in entries:
+        if not name.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, name, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, name, "size")) as f:
+                size = f.read().strip()
+            n = int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1:] in _SIZE_UNITS else int(size)
+        except (OSError, ValueError):
+            continue
+        if best is None or level > best[0]:
+            best = (level, n)
+    return None if best is None else best[1]

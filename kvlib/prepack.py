@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from .model import Linear, Transformer
+from .validate import positive_int
 
 
 def available() -> bool:
@@ -163,8 +164,7 @@ def onednn_trace(d_in: int = 576, d_out: int = 1536, calls: int = 3) -> list[One
     the plain calls log nothing, ``x @ W`` does not go through oneDNN on this CPU.
     """
     for name, v in (("d_in", d_in), ("d_out", d_out), ("calls", calls)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        positive_int(name, v)
     if not available():
         return []
     script = _TRACE.format(d_in=d_in, d_out=d_out, calls=calls)

@@ -262,3 +262,17 @@ def test_gpt_fast_reference_is_a_share_of_the_a100_spec_that_falls_with_the_bits
     step = cost.step_bytes(PRESETS["llama-2-7b"], 1, 5, dtype="bf16")["total"]
     assert bw / tps == pytest.approx(step, rel=0.02)
     assert all(tps > 0 and 0 < bw < spec for tps, bw in GPT_FAST_A100.values())
+
+
+def test_last_level_cache_bytes_reads_the_largest_level_the_os_lists(tmp_path):
+    from kvlib.hardware import last_level_cache_bytes
+
+    for name, level, size in (("index0", "1", "48K"), ("index2", "2", "2048K"), ("index3", "3", "480M"),
+                              ("index1", "1", "32K"), ("index4", "2", "1024K")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "level").write_text(level + "\n")
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(str(tmp_path)) == 480 * 2**20  # the level-3 cache, not the last listed
+    (tmp_path / "index3" / "size").write_text("n/a\n")  # unreadable: the next level down
+    assert last_level_cache_bytes(str(tmp_path)) == 2048 * 2**10
+    assert last_level_cache_bytes(str(tmp_path / "missing")) is None  # no such directory (not Linux)
