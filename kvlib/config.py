@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from .layers import LayerKind, check_pattern
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -26,6 +28,9 @@ class ModelConfig:
     tie_embeddings: bool = False  # lm_head shares the embedding matrix
     family: str = "llama"  # "llama" (RMSNorm, RoPE, SwiGLU) or "gpt2" (shapes only)
     name: str = ""
+    # what each layer's cache holds (kvlib.layers: full, window, chunked, shared, latent);
+    # None: every layer full, as in Llama
+    layers: tuple[LayerKind, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "max_seq_len"):
@@ -56,6 +61,17 @@ class ModelConfig:
             raise ValueError(f"rope_base must be positive, got {self.rope_base}")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", check_pattern(self.layers, self.n_layer))
+
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """One `kvlib.layers.LayerKind` per layer: ``layers``, or every layer full."""
+        return self.layers if self.layers is not None else (LayerKind("full"),) * self.n_layer
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether any layer's cache is not a plain full one."""
+        return any(kind.kind != "full" for kind in self.layer_kinds())
 
     @property
     def n_rep(self) -> int:
@@ -63,11 +79,18 @@ class ModelConfig:
         return self.n_head // self.n_kv_head
 
     def replace(self, **changes) -> "ModelConfig":
-        """A copy with some fields changed (and validated again)."""
+        """A copy with some fields changed (and validated again). A new ``n_layer`` alone keeps the
+        first layers of a pattern."""
+        if "n_layer" in changes and "layers" not in changes and self.layers is not None:
+            changes["layers"] = self.layers[: changes["n_layer"]]
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The fields as plain values (a pattern as its kinds' names: "window(512)")."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if d["layers"] is not None:
+            d["layers"] = [str(kind) for kind in d["layers"]]
+        return d
 
 
 # Real shapes. Each entry names the file its numbers were read from.
