@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .cache import Cache, StaticCache
+from .hybrid import HybridCache
 from .model import Transformer, check_token_range
 from .padding import PaddedBatch, pad, position_ids
 from .sampling import SamplingParams, sample, sampling_params
@@ -165,6 +166,8 @@ def _naive_stepper(model: Transformer, ids: torch.Tensor, valid: torch.Tensor | 
 
 
 def _default_cache(model: Transformer, batch: int, max_len: int) -> Cache:
+    if model.config.hybrid:  # windows, chunks, shared layers: a policy per layer
+        return HybridCache.for_model(model.config)
     return StaticCache.for_model(model.config, batch, max_len, dtype=model.dtype, device=model.device)
 
 

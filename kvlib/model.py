@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import invariant
+from . import hybrid, invariant
 from .attention import AttentionImpl, attend, attention_mask
 from .cache import Cache
 from .config import ModelConfig
@@ -146,6 +146,7 @@ class Attention(nn.Module):
         v = qkv[:, :, H + H_kv :].transpose(1, 2)  # (B, H_kv, T, D)
         if cache is not None:  # NEW: append this step's k, v; attend over everything cached
             k, v = cache.update(k, v, self.layer)  # (B, H_kv, S, D)
+            mask = cache.layer_mask(self.layer, mask)  # this layer's: a window layer's band, say
         y = attend(q, k, v, mask, self.impl)  # (B, H, T, D); mask None = plain bottom-right causal
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.wo(y)
@@ -206,6 +207,8 @@ class Transformer(nn.Module):
             raise TypeError(f"Transformer needs a ModelConfig, got {type(config).__name__}")
         if config.family != "llama":
             raise ValueError(f"kvlib only runs Llama-family models; {config.name or config.family} is for memory math")
+        if any(kind.kind == "latent" for kind in config.layer_kinds()):
+            raise ValueError("latent (MLA) layers are another attention: kvlib.mla runs them")
         self.config = config
         with torch.device(device) if device is not None else nullcontext():
             # With tied embeddings one (d_model, vocab) matrix serves both ends: the
@@ -298,6 +301,7 @@ class Transformer(nn.Module):
             check_token_range(tokens, self.config.vocab_size)
         if cache is not None and not isinstance(cache, Cache):
             raise TypeError(f"cache must be a kvlib Cache, got {type(cache).__name__}")
+        cache = hybrid.cache_for(self.config, cache)  # a hybrid model's cache must know its layers
         B, T = tokens.shape
         an_int("logits_to_keep", logits_to_keep)
         if not 0 <= logits_to_keep <= T:
@@ -381,6 +385,14 @@ class Transformer(nn.Module):
         small.layers = nn.ModuleList(self.layers[:n])
         small._rope_table = self._rope_table  # the shared blocks are batch-invariant if this model is
         return small.eval()
+
+    def with_layers(self, layers) -> "Transformer":
+        """This model with another layer pattern (`kvlib.layers`; None: all full), sharing its weights:
+        how to measure what bolting a pattern onto weights trained without it costs."""
+        other = Transformer(self.config.replace(layers=layers), device="meta")
+        other.tok_emb, other.norm, other.lm_head, other.layers = self.tok_emb, self.norm, self.lm_head, self.layers
+        other._rope_table = self._rope_table
+        return other.eval()
 
     @property
     def batch_invariant(self) -> bool:

@@ -21,12 +21,15 @@ from kvlib import Cache, DynamicCache, PaddedBatch, StaticCache
 from kvlib.check import PROPERTIES, check_cache, property_name
 from kvlib.evict import H2OCache, SinkCache, WindowCache
 from kvlib.hf import HFQuantizedCache
+from kvlib.hybrid import HybridCache, Recompute
+from kvlib.layers import chunked, full, shared, window
 from kvlib.mla import LatentCache
 from kvlib.quant import CastCache, FP8Cache, QuantizedCache
 
 LOSSY = "it returns dequantized keys and values, not the exact ones stored"
 EVICTS = "it evicts beyond its budget, so it does not return everything so far"
 NO_CROP = "it cannot be cropped"
+PATTERNED = "a model must carry the same layer pattern; tests/test_hybrid.py checks it against the masked recompute"
 
 
 class ObservedH2O(H2OCache):
@@ -92,6 +95,16 @@ REGISTRY = {
     "H2OCache": (lambda n, b, h, d, dt: ObservedH2O(n, 4, 12), {}),
     "H2OCache(evicting)": (lambda n, b, h, d, dt: ObservedH2O(n, 1, 2),
                            {p: EVICTS for p in ("update", "crop and reset", "nbytes", "legacy", "generation")}),
+    "HybridCache(all full)": (lambda n, b, h, d, dt: HybridCache([full()] * n), {}),
+    "HybridCache(wide window)": (lambda n, b, h, d, dt: HybridCache([window(16, sinks=2), full(), chunked(16)][:n]),
+                                 {"generation": PATTERNED}),
+    "HybridCache(evicting, shared)": (
+        lambda n, b, h, d, dt: HybridCache([window(2, sinks=1), shared(0), chunked(3)][:n]),
+        {p: EVICTS for p in ("update", "crop and reset", "nbytes", "legacy")}
+        | {"layers independent": "layer 1 reads layer 0's cache by design, and is updated after it",
+           "generation": PATTERNED}),
+    "Recompute": (lambda n, b, h, d, dt: Recompute([full()] * n),
+                  {"crop and reset": "a one-pass reference (what a model without a cache runs): it refuses crop"}),
 }
 
 

@@ -151,6 +151,12 @@ class Cache(abc.ABC):
         """
         return None
 
+    def layer_mask(self, layer_idx: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The mask layer ``layer_idx`` attends with, given the step's ``mask``, right after its
+        ``update``: the step's mask itself, unless the cache gives its layers keys of their own
+        shapes (`kvlib.hybrid.HybridCache`: a window layer's band over what it holds)."""
+        return mask
+
     # -- helpers for subclasses -------------------------------------------------------------------
     @property
     def seq_len(self) -> int:
