@@ -205,10 +205,9 @@ class Transformer(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise TypeError(f"Transformer needs a ModelConfig, got {type(config).__name__}")
-        if config.family != "llama":
-            raise ValueError(f"kvlib only runs Llama-family models; {config.name or config.family} is for memory math")
-        if any(kind.kind == "latent" for kind in config.layer_kinds()):
-            raise ValueError("latent (MLA) layers are another attention: kvlib.mla runs them")
+        if config.family != "llama" or any(kind.kind == "latent" for kind in config.layer_kinds()):
+            raise ValueError(f"kvlib only runs Llama-family models with K/V caches; {config.name or config.family} "
+                             f"is for memory math (latent MLA layers run in kvlib.mla)")
         self.config = config
         with torch.device(device) if device is not None else nullcontext():
             # With tied embeddings one (d_model, vocab) matrix serves both ends: the
@@ -390,8 +389,8 @@ class Transformer(nn.Module):
         """This model with another layer pattern (`kvlib.layers`; None: all full), sharing its weights:
         how to measure what bolting a pattern onto weights trained without it costs."""
         other = Transformer(self.config.replace(layers=layers), device="meta")
-        other.tok_emb, other.norm, other.lm_head, other.layers = self.tok_emb, self.norm, self.lm_head, self.layers
-        other._rope_table = self._rope_table
+        other.tok_emb, other.norm, other.lm_head, other.layers, other._rope_table = (
+            self.tok_emb, self.norm, self.lm_head, self.layers, self._rope_table)
         return other.eval()
 
     @property
