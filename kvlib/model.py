@@ -374,9 +374,8 @@ class Transformer(nn.Module):
     def first_layers(self, n: int) -> "Transformer":
         """A smaller model made of this one's embedding, first ``n`` blocks, final norm and lm_head.
 
-        The weights are shared, not copied. Its outputs are not good text, but it costs
-        less than the full model, though more than ``n / n_layer`` of it, because the
-        embedding and output layer are kept; that makes curves with many points cheaper.
+        The weights are shared, not copied. Its outputs are not good text, but it costs less than
+        the full model (more than ``n / n_layer`` of it: the embedding and output layer stay).
         """
         int_in_range("n", n, 1, self.config.n_layer)
         small = Transformer(self.config.replace(n_layer=n, name=f"{self.config.name} (first {n} layers)"), device="meta")
