@@ -170,12 +170,14 @@ def kv_growth_per_token(config: ModelConfig, dtype: str | int = DEFAULT_DTYPE) -
 
 
 def _all_full(config: ModelConfig, what: str, instead: str) -> None:
-    """Raise a ValueError naming why ``what`` needs every layer to keep every token."""
-    if config.hybrid:
-        kinds = sorted({str(k) for k in config.layer_kinds() if k.kind != "full"})
+    """Raise a ValueError naming why ``what`` needs every token to cost the same: no window or
+    chunked layer, whose cache stops growing once the text outgrows it (full, latent and shared
+    layers are fine: each token adds the same bytes to them at any length)."""
+    bounded = sorted({str(k) for k in config.layer_kinds() if k.kind in ("window", "chunked")})
+    if bounded:
         raise ValueError(
-            f"{what} assumes every layer keeps every token, but {config.name or 'this model'} has "
-            f"{', '.join(kinds)} layers, whose bytes do not grow with the length: {instead}"
+            f"{what} assumes every token costs the same, but {config.name or 'this model'} has "
+            f"{', '.join(bounded)} layers, whose caches stop growing once a text outgrows them: {instead}"
         )
 
 
@@ -194,9 +196,10 @@ def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = DEFAUL
     """How many cached tokens (summed over the batch) fit in ``memory_bytes``,
     after the weights if ``weights=True``. Activations and fragmentation are ignored.
 
-    All-full models only: there every token costs the same, however the tokens are divided
-    into sequences. In a hybrid model a sequence's cost depends on its length (a window layer
-    holds at most W of its tokens), so a token budget means nothing: use `max_batch`.
+    Only for models in which every token costs the same, however the tokens are divided into
+    sequences: full, latent and shared layers. With window or chunked layers a sequence's cost
+    depends on its length (a window layer holds at most W of its tokens), so a token budget
+    means nothing and this raises a ValueError: use `max_batch`.
     """
     check_config(config)
     _all_full(config, "max_tokens", "ask max_batch(config, memory_bytes, seq_len) instead")
@@ -226,8 +229,9 @@ def pool_capacity(
     ``vllm/v1/core/kv_cache_utils.py``). vLLM then keeps one block back as its null
     block, so requests share ``blocks - 1``.
 
-    All-full models only: vLLM pools a hybrid model's layers in groups, each sized for its own
-    kind (a window layer's blocks are freed as the window slides), which this count does not model.
+    Not for models with window or chunked layers (a ValueError): vLLM pools those in groups, each
+    sized for its own kind (a window layer's blocks are freed as the window slides), which this
+    count does not model.
     """
     check_config(config)
     _all_full(config, "pool_capacity", "vLLM sizes a hybrid model's pool per group of layers")

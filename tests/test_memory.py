@@ -244,10 +244,14 @@ def test_what_fits_for_a_hybrid_model():
     b = memory.max_batch(mis, mem, 16384)
     assert b == free // memory.kv_cache_bytes(mis, 4096)  # a 16k sequence holds 4096 tokens per layer
     assert b * memory.kv_cache_bytes(mis, 16384) <= free < (b + 1) * memory.kv_cache_bytes(mis, 16384)
-    with pytest.raises(ValueError, match=r"max_tokens assumes every layer keeps every token.*window\(4096\)"):
+    with pytest.raises(ValueError, match=r"max_tokens assumes every token costs the same.*window\(4096\)"):
         memory.max_tokens(mis, mem)
-    with pytest.raises(ValueError, match="pool_capacity assumes every layer keeps every token"):
-        memory.pool_capacity(mis, GiB, 2048)
+    with pytest.raises(ValueError, match=r"pool_capacity assumes every token costs the same.*chunked\(8192\)"):
+        memory.pool_capacity(PRESETS["llama-4-scout"], GiB, 2048)
+    # latent layers grow by the same bytes with every token: a token budget holds
+    v3 = PRESETS["deepseek-v3"]
+    assert memory.max_tokens(v3, 80 * GiB, weights=False) == 80 * GiB // (576 * 61 * 2)
+    assert memory.pool_capacity(v3, GiB, 1024, 16)[0] == GiB // (16 * 576 * 61 * 2)
 
 
 def test_table_takes_the_pattern_into_account():
