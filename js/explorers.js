@@ -13,9 +13,43 @@
   "use strict";
 
   // -- the formulas --------------------------------------------------------------------------------
-  // kvlib.memory.kv_cache_bytes
+  // kvlib.layers.tokens_held: what one layer stores after a text of n tokens
+  function tokensHeld(k, n) {
+    if (k.kind === "full" || k.kind === "latent") return n;
+    if (k.kind === "shared") return 0;
+    if (k.kind === "window") return Math.min(n, k.size + k.sinks);
+    return n === 0 ? 0 : (n - 1) % k.size + 1;  // chunked: the last chunk's tokens
+  }
+  // kvlib.memory.numbers_per_token: K and V per KV head, one latent of r, or nothing (shared)
+  function numbersPerToken(m, k) {
+    if (k.kind === "shared") return 0;
+    if (k.kind === "latent") return k.size;
+    return 2 * m.n_kv_head * m.head_dim;
+  }
+  // kvlib.memory.kv_cache_bytes: the sum over layers of kvlib.memory.kv_bytes_by_layer
   function kvCacheBytes(m, seqLen, batch, width) {
-    return 2 * m.n_layer * batch * m.n_kv_head * seqLen * m.head_dim * width;
+    let total = 0;
+    for (const k of m.layers) total += batch * numbersPerToken(m, k) * tokensHeld(k, seqLen) * width;
+    return total;
+  }
+  // kvlib.layers.LayerKind.__str__: "full", "window(512)", "window(8, sinks=4)", "shared(3)"
+  function kindName(k) {
+    if (k.kind === "full") return "full";
+    if (k.kind === "shared") return "shared(" + k.source + ")";
+    return k.kind + "(" + k.size + (k.sinks ? ", sinks=" + k.sinks : "") + ")";
+  }
+  // kvlib.book.explorer.cache_terms: one term of the formula per kind of layer
+  function cacheTerms(m, seqLen, batch, width) {
+    const terms = new Map();
+    for (const k of m.layers) {
+      const name = kindName(k);
+      if (!terms.has(name)) terms.set(name, { kind: name, layers: 0, tokens: tokensHeld(k, seqLen),
+                                              numbers: numbersPerToken(m, k), bytes: 0 });
+      const t = terms.get(name);
+      t.layers += 1;
+      t.bytes += batch * t.numbers * t.tokens * width;
+    }
+    return [...terms.values()];
   }
   // kvlib.memory.layer_matrix_params
   function layerMatrixParams(m) {
@@ -242,6 +276,26 @@
   // -- the three explorers -------------------------------------------------------------------------
   const BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
+  // kvlib.book.explorer.formula_text: the terms written out, one per kind of layer
+  function formulaText(terms, m, b, width) {
+    const hybrid = !(terms.length === 1 && terms[0].kind === "full");
+    const parts = [];
+    let shared = 0;
+    for (const t of terms) {
+      const label = hybrid ? t.kind + " layer" : "layer";
+      if (t.kind.startsWith("shared")) shared += t.layers;
+      else if (t.kind.startsWith("latent")) {
+        parts.push(count(t.layers, label) + " × " + count(b, "sequence") + " × " + count(t.tokens, "token") +
+                   " × " + count(t.numbers, "number") + " × " + count(width, "byte"));
+      } else {
+        parts.push("2 (K and V) × " + count(t.layers, label) + " × " + count(b, "sequence") + " × " +
+                   count(m.n_kv_head, "KV head") + " × " + count(t.tokens, "token") + " × " +
+                   count(m.head_dim, "dim") + " × " + count(width, "byte"));
+      }
+    }
+    return parts.join(" + ") + (shared ? " (and 0 for " + count(shared, "shared layer") + ")" : "");
+  }
+
   function cacheExplorer(box, data) {  // mirrors kvlib.book.explorer.cache_report
     const form = el("form", { class: "kv-controls" });
     const models = Object.entries(data.models).map(([k, m]) => [k, m.name]);
@@ -268,19 +322,23 @@
       const m = Object.assign({}, data.models[model.value], { n_kv_head: Number(heads.value) });
       const width = data.dtype_bytes[dtype.value], b = Number(batch.value), s = Number(ctx.value);
       const c = kvCacheBytes(m, s, b, width);
-      const w = paramCount(m) * data.dtype_bytes.fp16;  // cache_report's weight_dtype="fp16"
+      // cache_report's weight_dtype="fp16"; a "shapes" preset's weights are not counted
+      const counted = m.param_count !== null;
+      const w = counted ? paramCount(m) * data.dtype_bytes.fp16 : 0;
       const g = Number(gpu.value) * data.gib;
-      formula.textContent = "2 (K and V) × " + count(m.n_layer, "layer") + " × " + count(b, "sequence") +
-        " × " + count(m.n_kv_head, "KV head") + " × " + count(s, "token") + " × " +
-        count(m.head_dim, "dim") + " × " + count(width, "byte");
-      show(cache, c, size(c) + " (" + sep(c) + " bytes), " + sep(c / w, 2) + "× the weights");
-      show(weights, w, size(w));
+      formula.textContent = formulaText(cacheTerms(m, s, b, width), m, b, width);
+      show(cache, c, size(c) + " (" + sep(c) + " bytes)" + (counted ? ", " + sep(c / w, 2) + "× the weights" : ""));
+      if (counted) show(weights, w, size(w));
+      else show(weights, "", "not counted: kvlib keeps only this model's cache shapes");
       const ok = w + c <= g;
-      show(fits, ok, size(w + c) + ", which " + (ok ? "fits" : "does not fit") + " in " + size(g));
+      show(fits, ok, (counted ? size(w + c) + ", which " : "the cache alone, which ") +
+           (ok ? "fits" : "does not fit") + " in " + size(g));
       const top = Math.max(w, c, g);
-      fig.picture.innerHTML = bars(fig.width(), [["weights", w, BLUE, size(w)], ["KV cache", c, RED, size(c)],
-                                                 ["GPU memory", g, GREY, size(g)]], top,
-                                   "weights " + size(w) + ", KV cache " + size(c) + ", GPU " + size(g));
+      const items = (counted ? [["weights", w, BLUE, size(w)]] : []).concat(
+        [["KV cache", c, RED, size(c)], ["GPU memory", g, GREY, size(g)]]);
+      fig.picture.innerHTML = bars(fig.width(), items, top,
+                                   (counted ? "weights " + size(w) + ", " : "") + "KV cache " + size(c) +
+                                   ", GPU " + size(g));
     }
     model.addEventListener("change", () => { refillHeads(); refresh(); });
     for (const s of [dtype, batch, ctx, heads, gpu]) s.addEventListener("change", refresh);
@@ -293,7 +351,7 @@
     const form = el("form", { class: "kv-controls" });
     const hwNames = Object.entries(data.hardware).map(([k, h]) => [k, h.name]);
     const hw = control(form, "hardware", hwNames, "h100");
-    const model = control(form, "model", Object.entries(data.models).map(([k, m]) => [k, m.name]),
+    const model = control(form, "model", data.step_models.map(k => [k, data.models[k].name]),
                           "llama-3-8b");
     const dtype = control(form, "dtype (weights and cache)", [], "bf16");
     const batch = control(form, "batch (sequences)", BATCHES.map(b => [b, sep(b)]), 1);

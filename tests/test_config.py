@@ -48,6 +48,13 @@ PUBLISHED = {
     "llama-3-8b": (32, 32, 8, 4096, 128, 128256),
     "llama-3-70b": (80, 64, 8, 8192, 128, 128256),
     "mistral-7b": (32, 32, 8, 4096, 128, 32000),
+    "llama-3.1-8b": (32, 32, 8, 4096, 128, 128256),
+    "gemma-3-1b": (26, 4, 1, 1152, 256, 262144),
+    "gemma-3-27b": (62, 32, 16, 5376, 128, 262208),
+    "gpt-oss-20b": (24, 64, 8, 2880, 64, 201088),
+    "gpt-oss-120b": (36, 64, 8, 2880, 64, 201088),
+    "llama-4-scout": (48, 40, 8, 5120, 128, 202048),
+    "deepseek-v3": (61, 128, 128, 7168, 128, 129280),
 }
 
 
@@ -71,3 +78,40 @@ def test_smollm2_preset_matches_the_gguf_metadata():
     assert (f["llama.embedding_length"], f["llama.feed_forward_length"], f["llama.vocab_size"]) == (
         c.d_model, c.d_ff, c.vocab_size)
     assert f["llama.rope.freq_base"] == c.rope_base and f["llama.context_length"] == c.max_seq_len
+
+
+# Each hybrid preset's layer pattern, as its config.json's layer_types / sliding_window /
+# attention_chunk_size / no_rope_layers / kv_lora_rank give it: {kind: (count, size)}, and the
+# indices of the layers that keep every token.
+PATTERNS = {
+    "mistral-7b": ({"window": (32, 4096)}, []),
+    "gemma-3-1b": ({"window": (22, 512), "full": (4, 0)}, [5, 11, 17, 23]),
+    "gemma-3-27b": ({"window": (52, 1024), "full": (10, 0)}, [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]),
+    "gpt-oss-20b": ({"window": (12, 128), "full": (12, 0)}, list(range(1, 24, 2))),
+    "gpt-oss-120b": ({"window": (18, 128), "full": (18, 0)}, list(range(1, 36, 2))),
+    "llama-4-scout": ({"chunked": (36, 8192), "full": (12, 0)}, list(range(3, 48, 4))),
+    "deepseek-v3": ({"latent": (61, 576)}, []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_hybrid_presets_have_their_published_patterns(name):
+    kinds = PRESETS[name].layer_kinds()
+    want, globals_ = PATTERNS[name]
+    got = {}
+    for k in kinds:
+        n, sizes = got.get(k.kind, (0, set()))
+        got[k.kind] = (n + 1, sizes | {k.size})
+    assert {k: (n, s) for k, (n, s) in got.items()} == {k: (n, {s}) for k, (n, s) in want.items()}
+    assert [i for i, k in enumerate(kinds) if k.kind == "full"] == globals_
+    assert all(k.sinks == 0 for k in kinds)  # gpt-oss's sinks are learned logits, not kept tokens
+    assert PRESETS[name].hybrid
+
+
+def test_context_limits_and_families():
+    assert PRESETS["llama-3.1-8b"].max_seq_len == 131072 and not PRESETS["llama-3.1-8b"].hybrid
+    assert PRESETS["mistral-7b"].max_seq_len == 32768 and PRESETS["mistral-7b"].family == "llama"
+    shapes = sorted(n for n, c in PRESETS.items() if c.family == "shapes")
+    assert shapes == ["deepseek-v3", "gemma-3-1b", "gemma-3-27b", "gpt-oss-120b", "gpt-oss-20b", "llama-4-scout"]
+    with pytest.raises(ValueError, match="family must be one of"):
+        PRESETS["tiny"].replace(family="gemma")

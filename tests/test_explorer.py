@@ -101,3 +101,35 @@ def test_report_words_and_numbers():
     assert "131,072 tokens" in report_html(cache_report("llama-2-7b", 8, 131072))
     svg = bar_svg(cache_report("llama-2-7b", 1, 4096))
     assert "#333" not in svg and svg.count('fill="currentColor"') == 5  # legible on a dark notebook
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_terms_sum_to_the_cache(name):
+    from kvlib.book.explorer import cache_terms
+
+    c = PRESETS[name]
+    for seq_len in (1, 700, 4096, 131072):
+        terms = cache_terms(c, seq_len, 3, "fp16")
+        assert sum(t["bytes"] for t in terms) == memory.kv_cache_bytes(c, seq_len, 3, "fp16")
+        assert sum(t["layers"] for t in terms) == c.n_layer
+
+
+def test_hybrid_report_has_one_term_per_kind():
+    from kvlib.book.explorer import report_html
+
+    r = cache_report("gemma-3-27b", 1, 131072, "bf16", gpu_gib=24)
+    assert [(t["kind"], t["layers"], t["tokens"]) for t in r["terms"]] == [
+        ("window(1024)", 52, 1024), ("full", 10, 131072)]
+    assert r["weight_bytes"] is None and r["cache_over_weights"] is None  # Gemma: weights not counted
+    assert r["fits"] == (r["cache_bytes"] <= 24 * GiB)
+    html = report_html(r)
+    assert ("2 (K and V) × 52 window(1024) layers × 1 sequence × 16 KV heads × 1,024 tokens × 128 dims"
+            " × 2 bytes + 2 (K and V) × 10 full layers × 1 sequence × 16 KV heads × 131,072 tokens") in html
+    assert "weights not counted" in html and 'aria-label="KV cache' in html
+    assert html.count('class="kv-bar"') == 1  # no weights bar
+    v3 = report_html(cache_report("deepseek-v3", 2, 4096))
+    assert "61 latent(576) layers × 2 sequences × 4,096 tokens × 576 numbers × 2 bytes =" in v3
+    from kvlib import layers as L
+
+    cfg = PRESETS["tiny"].replace(layers=[L.full(), L.shared(0)])
+    assert report_html(cache_report(cfg, 1, 8)).count("(and 0 for 1 shared layer)") == 1

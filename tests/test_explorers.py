@@ -23,13 +23,14 @@ from test_site import SHOTS, browser, server  # noqa: F401  (fixtures)
 from kvlib import cost, memory
 from kvlib.book import web
 from kvlib.config import PRESETS
-from kvlib.book.explorer import CONTEXTS, GPUS_GIB, MODELS, cache_report, kv_head_choices
+from kvlib.book.explorer import CONTEXTS, GPUS_GIB, MODELS, cache_report, formula_text, kv_head_choices
 from kvlib.hardware import HARDWARE, step_time
 from kvlib.memory import DTYPE_BYTES
 from kvlib.simulate import POLICIES, request_trace, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+STEP_MODELS = [m for m in MODELS if PRESETS[m].family == "llama"]  # weights counted: a step can be timed
 PAGES = {"cache": "book/ch04_how_big", "step": "book/ch05_step_time", "paging": "book/ch09_paging"}
 # The labels of each explorer's controls: every number comes with its unit.
 LABELS = {
@@ -121,14 +122,31 @@ def test_cache_explorer_equals_cache_report(browser, server):  # noqa: F811
         want = cache_report(model, batch, ctx, dtype, heads, gpu)
         setting = (model, dtype, batch, ctx, heads, gpu)
         assert int(value(box, "cache_bytes")) == want["cache_bytes"], setting
-        assert int(value(box, "weight_bytes")) == want["weight_bytes"], setting
+        if want["weight_bytes"] is None:  # a "shapes" preset: weights not counted
+            assert value(box, "weight_bytes") == "" and "not counted" in text(box, "weight_bytes"), setting
+        else:
+            assert int(value(box, "weight_bytes")) == want["weight_bytes"], setting
         assert value(box, "fits") == str(want["fits"]).lower(), setting
         formula = box.locator('[data-name="formula"]').inner_text()
-        assert f" × {ctx:,} token{'s' if ctx > 1 else ''} × " in formula, (setting, formula)
+        assert formula == formula_text(want), setting  # the same terms, one per kind of layer
+        for t in want["terms"]:  # each kind's tokens held: min(n, W) for a window, n for a full layer
+            assert f" × {t['tokens']:,} token{'s' if t['tokens'] != 1 else ''} × " in formula, (setting, formula)
         width = DTYPE_BYTES[dtype]
         assert formula.endswith(f" × {width} byte{'s' if width > 1 else ''}"), (setting, formula)
     assert formula.startswith("2 (K and V) × 32 layers × 1 sequence × 1 KV head × 4,096 tokens")
     assert box.get_by_role("img").get_attribute("aria-label").startswith("weights ")
+    # every preset whose layers differ, at every context: the JavaScript's per-layer sum is kvlib's
+    pick(box, "batch (sequences)", 1)
+    pick(box, "cache dtype", "bf16")
+    for model in [m for m in MODELS if PRESETS[m].hybrid]:
+        pick(box, "model", model)
+        for ctx in CONTEXTS:
+            pick(box, "context (tokens per sequence)", ctx)
+            want = memory.kv_cache_bytes(PRESETS[model], ctx, 1, "bf16")
+            assert int(value(box, "cache_bytes")) == want, (model, ctx)
+    assert box.locator('[data-name="formula"]').inner_text() == (
+        "61 latent(576) layers × 1 sequence × 131,072 tokens × 576 numbers × 2 bytes")  # DeepSeek-V3
+    assert box.get_by_role("img").get_attribute("aria-label").startswith("KV cache ")  # no weights bar
     assert page.locator(".widget-dropdown").count() == 0  # no frozen ipywidgets panel beside it
     SHOTS.mkdir(parents=True, exist_ok=True)
     box.screenshot(path=str(SHOTS / "explorer-cache.png"))
@@ -142,7 +160,7 @@ def test_step_explorer_equals_step_time(browser, server):  # noqa: F811
     for hw_name, hw in HARDWARE.items():
         dtypes = [d for d in web.STEP_DTYPES if d in hw.peak_flops]
         for _ in range(4):
-            model, dtype = rng.choice(MODELS), rng.choice(dtypes)
+            model, dtype = rng.choice(STEP_MODELS), rng.choice(dtypes)
             batch, ctx = rng.choice(BATCHES), rng.choice(CONTEXTS)
             pick(box, "hardware", hw_name)
             pick(box, "model", model)
@@ -367,7 +385,12 @@ def test_explorer_data_is_kvlib_presets():
         c, m = PRESETS[name], data["models"][name]
         assert (m["n_layer"], m["n_kv_head"], m["head_dim"], m["d_ff"]) == (c.n_layer, c.n_kv_head, c.head_dim, c.d_ff)
         assert m["kv_heads"] == kv_head_choices(c)
-        assert m["param_count"] * 2 == memory.weight_bytes(c, "fp16")
+        assert [(k["kind"], k["size"], k["sinks"], k["source"]) for k in m["layers"]] == [
+            (k.kind, k.size, k.sinks, k.source) for k in c.layer_kinds()]
+        if c.family == "shapes":
+            assert m["param_count"] is None and name not in data["step_models"]
+        else:
+            assert m["param_count"] * 2 == memory.weight_bytes(c, "fp16") and name in data["step_models"]
     assert data["hardware"]["h100"]["mem_bandwidth"] == HARDWARE["h100"].mem_bandwidth
     assert data["hardware"]["t4"]["memory"] == HARDWARE["t4"].memory
     assert data["dtype_bytes"] == DTYPE_BYTES and data["contexts"] == CONTEXTS

@@ -128,3 +128,161 @@ def test_gqa_papers_kv_head_counts_shrink_the_cache_by_the_group():
     l70 = PRESETS["llama-3-70b"]
     mha = l70.replace(n_kv_head=l70.n_head)
     assert memory.kv_bytes_per_token(mha) == 8 * memory.kv_bytes_per_token(l70)
+
+
+# -- the per-layer formula: hybrid layer patterns (kvlib.layers) -----------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvlib import layers as L  # noqa: E402
+
+
+def brute_cache_bytes(cfg, seq_len, batch, width):
+    """Decode token by token, each layer keeping a list of positions and dropping every position its
+    newest query cannot see (`kvlib.layers.visible`); then count the numbers those positions hold,
+    written out by hand per kind. Shares no code with `tokens_held` or `kv_bytes_by_layer`."""
+    total = 0
+    for kind in cfg.layer_kinds():
+        if kind.kind == "shared":
+            continue  # reads its source's cache: stores nothing
+        kept = []
+        for q in range(seq_len):
+            kept.append(q)
+            seen = L.visible(kind, torch.tensor([q]), torch.tensor(kept))[0]
+            kept = [k for k, s in zip(kept, seen.tolist()) if s]
+        per_token = kind.size if kind.kind == "latent" else 2 * cfg.n_kv_head * cfg.head_dim
+        total += batch * len(kept) * per_token * width
+    return total
+
+
+@st.composite
+def hybrid_configs(draw):
+    n_layer = draw(st.integers(1, 6))
+    kinds = []
+    for i in range(n_layer):
+        own = [j for j in range(i) if kinds[j].kind != "shared"]
+        options = [st.just(L.full()), st.builds(L.window, st.integers(1, 7), st.integers(0, 3)),
+                   st.builds(L.chunked, st.integers(1, 7)), st.builds(L.latent, st.integers(1, 40))]
+        if own:
+            options.append(st.sampled_from(own).map(L.shared))
+        kinds.append(draw(st.one_of(options)))
+    heads = draw(st.sampled_from([(4, 1), (4, 2), (4, 4)]))
+    return PRESETS["tiny"].replace(n_layer=n_layer, n_head=heads[0], n_kv_head=heads[1], layers=kinds)
+
+
+@settings(max_examples=80, deadline=None)
+@given(cfg=hybrid_configs(), seq_len=st.integers(0, 30), batch=st.integers(1, 3), width=st.sampled_from([1, 2, 4]))
+def test_per_layer_bytes_equal_a_brute_force_decode(cfg, seq_len, batch, width):
+    want = brute_cache_bytes(cfg, seq_len, batch, width)
+    assert memory.kv_cache_bytes(cfg, seq_len, batch, width) == want
+    assert sum(memory.kv_bytes_by_layer(cfg, seq_len, batch, width)) == want
+    assert len(memory.kv_bytes_by_layer(cfg, seq_len, batch, width)) == cfg.n_layer
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if not PRESETS[n].hybrid])
+def test_an_all_full_model_is_the_product_formula(name):
+    """Every layer full: each function gives what the one-line formula gives."""
+    c = PRESETS[name]
+    L_, H, D = c.n_layer, c.n_kv_head, c.head_dim
+    for S, B, b in ((0, 1, 2), (1, 1, 2), (777, 3, 4), (4096, 8, 1)):
+        assert memory.kv_cache_bytes(c, S, B, b) == 2 * L_ * B * H * S * D * b
+        assert memory.kv_bytes_by_layer(c, S, B, b) == [2 * B * H * S * D * b] * L_
+    assert memory.kv_bytes_per_token(c) == memory.kv_growth_per_token(c) == 2 * L_ * H * D * 2
+    if c.family == "llama":  # what fits: the old token budget, cut into sequences
+        mem = memory.weight_bytes(c) + 3 * GiB + 12345
+        budget = (mem - memory.weight_bytes(c)) // (2 * L_ * H * D * 2)
+        assert memory.max_tokens(c, mem) == budget
+        assert memory.max_batch(c, mem, 1000) == budget // 1000
+
+
+def test_hybrid_presets_against_their_all_full_selves():
+    """The same shapes with every layer full give the product formula; the pattern only ever saves."""
+    for name, c in PRESETS.items():
+        if not c.hybrid:
+            continue
+        dense = c.replace(layers=None)
+        for S in (1, 100, 5000, 131072):
+            assert memory.kv_cache_bytes(dense, S) == 2 * c.n_layer * c.n_kv_head * S * c.head_dim * 2
+            assert memory.kv_cache_bytes(c, S) <= memory.kv_cache_bytes(dense, S), (name, S)
+
+
+def test_mistral_window_saves_8x_at_32k():
+    # Jiang et al. 2023 (Mistral 7B), section 2: with W = 4096, "for a sequence length of 32k tokens,
+    # this reduces the cache memory usage by 8x, without impacting the model quality".
+    mis = PRESETS["mistral-7b"]
+    assert memory.kv_cache_bytes(mis.replace(layers=None), 32768) == 8 * memory.kv_cache_bytes(mis, 32768)
+    assert memory.kv_cache_bytes(mis, 32768) == memory.kv_cache_bytes(mis, 4096) == GiB // 2
+
+
+def test_deepseek_v3_caches_576_numbers_per_token_per_layer():
+    # DeepSeek-V2 paper, section 2.1.3 and Table 1: MLA caches (d_c + d_h^R) * l = (512 + 64) * l numbers
+    # per token, against 2 * n_h * d_h * l for MHA; V3 has l = 61 layers and n_h = 128 heads of d_h = 128.
+    v3 = PRESETS["deepseek-v3"]
+    assert memory.kv_bytes_per_token(v3, "bf16") == (512 + 64) * 61 * 2 == 70_272
+    assert memory.kv_cache_bytes(v3, 1000, 2, 1) == 2 * 1000 * 576 * 61
+    mha = memory.kv_bytes_per_token(v3.replace(layers=None), 1)
+    assert mha == 2 * 128 * 128 * 61  # the paper's MHA baseline for the same model
+
+
+def test_gemma3_27b_at_128k():
+    """52 window layers of 1024 tokens and 10 global layers: the global layers alone grow."""
+    g = PRESETS["gemma-3-27b"]
+    per_layer_token = 2 * 16 * 128 * 2  # K and V, 16 KV heads of 128, bf16
+    want = (10 * 131072 + 52 * 1024) * per_layer_token
+    assert memory.kv_cache_bytes(g, 131072, 1, "bf16") == want
+    assert memory.kv_growth_per_token(g, "bf16") == 10 * per_layer_token
+    # past every window the cache grows by exactly the growth per token
+    assert (memory.kv_cache_bytes(g, 5001) - memory.kv_cache_bytes(g, 5000)) == memory.kv_growth_per_token(g)
+    # below every window, by the bytes of one token in every layer
+    assert (memory.kv_cache_bytes(g, 501) - memory.kv_cache_bytes(g, 500)) == memory.kv_bytes_per_token(g)
+
+
+def test_what_fits_for_a_hybrid_model():
+    mis = PRESETS["mistral-7b"]
+    mem = 80 * GiB
+    free = mem - memory.weight_bytes(mis)
+    b = memory.max_batch(mis, mem, 16384)
+    assert b == free // memory.kv_cache_bytes(mis, 4096)  # a 16k sequence holds 4096 tokens per layer
+    assert b * memory.kv_cache_bytes(mis, 16384) <= free < (b + 1) * memory.kv_cache_bytes(mis, 16384)
+    with pytest.raises(ValueError, match=r"max_tokens assumes every token costs the same.*window\(4096\)"):
+        memory.max_tokens(mis, mem)
+    with pytest.raises(ValueError, match=r"pool_capacity assumes every token costs the same.*chunked\(8192\)"):
+        memory.pool_capacity(PRESETS["llama-4-scout"], GiB, 2048)
+    # latent layers grow by the same bytes with every token: a token budget holds
+    v3 = PRESETS["deepseek-v3"]
+    assert memory.max_tokens(v3, 80 * GiB, weights=False) == 80 * GiB // (576 * 61 * 2)
+    assert memory.pool_capacity(v3, GiB, 1024, 16)[0] == GiB // (16 * 576 * 61 * 2)
+
+
+def test_table_takes_the_pattern_into_account():
+    mis, gem = memory.table(["mistral-7b", "gemma-3-27b"], seq_len=8192)
+    assert mis["kv_kib_per_token"] * 1024 * 8192 == memory.kv_cache_bytes(PRESETS["mistral-7b"], 8192)
+    assert mis["kv_kib_per_token"] * 1024 == memory.kv_bytes_per_token(PRESETS["mistral-7b"]) / 2
+    assert gem["params"] is None and gem["weights_gib"] is None  # a "shapes" preset: not counted
+    assert gem["kv_gib"] * GiB == memory.kv_cache_bytes(PRESETS["gemma-3-27b"], 8192)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if PRESETS[n].family == "shapes"])
+def test_shapes_presets_refuse_weight_counts(name):
+    c = PRESETS[name]
+    for f in (memory.param_count, memory.weight_bytes, memory.layer_matrix_params):
+        with pytest.raises(ValueError, match=r"shapes|Llama-family"):
+            f(c)
+    with pytest.raises(ValueError, match="Llama-family"):
+        Transformer(c, device="meta")
+    assert memory.kv_cache_bytes(c, 4096) > 0  # the cache is what they are for
+
+
+def test_per_layer_bad_input():
+    c = PRESETS["gemma-3-1b"]
+    for bad in (-1, 26, 1.0, True):
+        with pytest.raises(IndexError, match="layer must be an int in 0..25"):
+            memory.numbers_per_token(c, bad)
+    with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
+        memory.kv_bytes_by_layer(c, -1)
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        memory.kv_bytes_by_layer(c, 10, 0)
+    with pytest.raises(TypeError, match="config must be a ModelConfig"):
+        memory.kv_bytes_by_layer("gemma-3-1b", 10)
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        memory.table(["gemma-3-1b"], seq_len=0)

@@ -1,7 +1,9 @@
 """A KV-cache calculator you can turn the knobs of.
 
 ``cache_report`` does the arithmetic of `kvlib.memory` for one setting and
-says whether weights plus cache fit in a GPU. ``bar_svg`` draws the two as
+says whether weights plus cache fit in a GPU. The cache is summed per layer, so a model whose
+layers keep different things (a sliding window, a chunk, an MLA latent: `kvlib.layers`)
+shows one term of the formula per kind of layer (`cache_terms`). ``bar_svg`` draws the two as
 bars against that GPU's memory, as plain SVG, so the picture survives on a
 static web page. ``explorer()`` wires both to ipywidgets::
 
@@ -17,13 +19,17 @@ from html import escape
 from typing import TYPE_CHECKING
 
 from ..config import PRESETS, ModelConfig
-from ..memory import DTYPE_BYTES, GiB, dtype_bytes, kv_cache_bytes, weight_bytes
+from ..layers import tokens_held
+from ..memory import DTYPE_BYTES, GiB, dtype_bytes, kv_cache_bytes, numbers_per_token, weight_bytes
 from ..validate import positive_int
 
 if TYPE_CHECKING:
     import ipywidgets
 
-MODELS = ["smollm2-135m", "llama-2-7b", "llama-3-8b", "mistral-7b", "llama-3-70b"]  # Llama-family presets
+# The cache explorer's presets: Llama-family models (weights counted) and, after them, models
+# kvlib keeps the cache shapes of only (family "shapes": their weights are not counted).
+MODELS = ["smollm2-135m", "llama-2-7b", "llama-3-8b", "llama-3.1-8b", "mistral-7b", "llama-3-70b",
+          "gemma-3-1b", "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout", "deepseek-v3"]
 CONTEXTS = [2**k for k in range(7, 18)]  # 128 ... 131072 tokens
 GPUS_GIB = [16, 24, 40, 80, 141]  # common accelerator memory sizes
 
@@ -31,6 +37,21 @@ GPUS_GIB = [16, 24, 40, 80, 141]  # common accelerator memory sizes
 def kv_head_choices(config: ModelConfig) -> list[int]:
     """KV-head counts that divide the query heads evenly: 1 (MQA) ... n_head (MHA)."""
     return [h for h in range(1, config.n_head + 1) if config.n_head % h == 0]
+
+
+def cache_terms(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str | int = "fp16") -> list[dict]:
+    """The cache formula as one term per kind of layer, in the order the kinds first appear:
+    ``kind`` (``"full"``, ``"window(1024)"``, ...), ``layers`` (how many), ``tokens`` (held by
+    each, `kvlib.layers.tokens_held`), ``numbers`` (per token per layer,
+    `kvlib.memory.numbers_per_token`) and ``bytes``. The terms' bytes sum to `kv_cache_bytes`."""
+    terms: dict[str, dict] = {}
+    width = dtype_bytes(dtype)
+    for i, kind in enumerate(config.layer_kinds()):
+        t = terms.setdefault(str(kind), {"kind": str(kind), "layers": 0, "tokens": tokens_held(kind, seq_len),
+                                         "numbers": numbers_per_token(config, i), "bytes": 0})
+        t["layers"] += 1
+        t["bytes"] += batch * t["numbers"] * t["tokens"] * width
+    return list(terms.values())
 
 
 def cache_report(
@@ -46,7 +67,9 @@ def cache_report(
 
     ``n_kv_head`` overrides the model's KV heads (the K and V projections shrink
     or grow with it, so the weights change too). The cache is stored at
-    ``dtype``, the weights at ``weight_dtype``.
+    ``dtype``, the weights at ``weight_dtype``. A ``family="shapes"`` preset's weights are
+    not counted (`kvlib.memory.param_count` refuses them): ``weight_bytes`` and
+    ``cache_over_weights`` are None, and ``fits`` is whether the cache alone fits.
     """
     if isinstance(config, str):
         if config not in PRESETS:
@@ -64,16 +87,17 @@ def cache_report(
         config = config.replace(n_kv_head=n_kv_head)
     if not gpu_gib > 0:
         raise ValueError(f"gpu_gib must be positive, got {gpu_gib!r}")
-    weights = weight_bytes(config, weight_dtype)
+    weights = None if config.family == "shapes" else weight_bytes(config, weight_dtype)
     cache = kv_cache_bytes(config, seq_len, batch, dtype)
     gpu = int(gpu_gib * GiB)
     return {
         "model": config.name,
         "n_layer": config.n_layer, "n_kv_head": config.n_kv_head, "head_dim": config.head_dim,
         "batch": batch, "seq_len": seq_len, "dtype_bytes": dtype_bytes(dtype),
+        "terms": cache_terms(config, seq_len, batch, dtype),
         "weight_bytes": weights, "cache_bytes": cache, "gpu_bytes": gpu,
-        "fits": weights + cache <= gpu,
-        "cache_over_weights": cache / weights,
+        "fits": (weights or 0) + cache <= gpu,
+        "cache_over_weights": None if weights is None else cache / weights,
     }
 
 
@@ -91,11 +115,11 @@ def bar_svg(report: dict, width: int = 560) -> str:
     Text and lines are drawn in ``currentColor``, so the picture follows a dark theme."""
     w, c, g = report["weight_bytes"], report["cache_bytes"], report["gpu_bytes"]
     left, right, row = 90, 20, 34
-    scale = (width - left - right) / max(w, c, g)
-    bars = [("weights", w, "#0072B2"), ("KV cache", c, "#D55E00")]
+    scale = (width - left - right) / max(w or 0, c, g)
+    bars = ([] if w is None else [("weights", w, "#0072B2")]) + [("KV cache", c, "#D55E00")]
     height = row * len(bars) + 30
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="kv-bars" width="{width}" height="{height}" '
-             f'role="img" aria-label="weights {_size(w)}, KV cache {_size(c)}, GPU {_size(g)}">']
+             f'role="img" aria-label="{"" if w is None else f"weights {_size(w)}, "}KV cache {_size(c)}, GPU {_size(g)}">']
     for i, (label, n, color) in enumerate(bars):
         y = 8 + i * row
         parts.append(f'<text x="{left - 8}" y="{y + 16}" text-anchor="end" font-size="13" '
@@ -118,19 +142,43 @@ def _count(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
+def formula_text(report: dict) -> str:
+    """The cache formula with this setting's numbers in it, one term per kind of layer
+    (`cache_terms`); a model whose layers are all full reads as the one product."""
+    r, terms = report, report["terms"]
+    hybrid = [t["kind"] for t in terms] != ["full"]
+    parts, shared = [], 0
+    for t in terms:
+        label = f"{t['kind']} layer" if hybrid else "layer"
+        if t["kind"].startswith("shared"):
+            shared += t["layers"]
+        elif t["kind"].startswith("latent"):
+            parts.append(f'{_count(t["layers"], label)} × {_count(r["batch"], "sequence")} × '
+                         f'{_count(t["tokens"], "token")} × {_count(t["numbers"], "number")} × '
+                         f'{_count(r["dtype_bytes"], "byte")}')
+        else:
+            parts.append(f'2 (K and V) × {_count(t["layers"], label)} × {_count(r["batch"], "sequence")} × '
+                         f'{_count(r["n_kv_head"], "KV head")} × {_count(t["tokens"], "token")} × '
+                         f'{_count(r["head_dim"], "dim")} × {_count(r["dtype_bytes"], "byte")}')
+    text = " + ".join(parts)
+    return text + (f" (and 0 for {_count(shared, 'shared layer')})" if shared else "")
+
+
 def report_html(report: dict) -> str:
     """The formula with this setting's numbers in it, the verdict, and the bar chart."""
     r = report
-    total = r["weight_bytes"] + r["cache_bytes"]
     verdict = ("fits" if r["fits"] else "does <b>not</b> fit") + f" in {_size(r['gpu_bytes'])}"
-    return (
-        f'<div class="kv-report"><p>2 (K and V) × {_count(r["n_layer"], "layer")} × {_count(r["batch"], "sequence")}'
-        f' × {_count(r["n_kv_head"], "KV head")} × {_count(r["seq_len"], "token")} × {_count(r["head_dim"], "dim")}'
-        f' × {_count(r["dtype_bytes"], "byte")} = '
-        f'<b>{_size(r["cache_bytes"])}</b> of cache, {r["cache_over_weights"]:.2f}× the weights.</p>'
-        f'<p>{escape(r["model"])}: weights {_size(r["weight_bytes"])} + cache = {_size(total)}, which {verdict}.</p>'
-        f"{bar_svg(r)}</div>"
-    )
+    if r["weight_bytes"] is None:
+        ratio = ""
+        total = (f"<p>{escape(r['model'])}: weights not counted (kvlib keeps only its cache's shapes); "
+                 f"the cache alone {verdict}.</p>")
+    else:
+        ratio = f", {r['cache_over_weights']:.2f}× the weights"
+        both = r["weight_bytes"] + r["cache_bytes"]
+        total = (f"<p>{escape(r['model'])}: weights {_size(r['weight_bytes'])} + cache = {_size(both)}, "
+                 f"which {verdict}.</p>")
+    return (f'<div class="kv-report"><p>{formula_text(r)} = <b>{_size(r["cache_bytes"])}</b> of cache{ratio}.</p>'
+            f"{total}{bar_svg(r)}</div>")
 
 
 def explorer(

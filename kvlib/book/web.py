@@ -50,11 +50,15 @@ STEP_DTYPES = ["fp32", "fp16", "bf16", "fp8"]
 
 
 def _model(name: str) -> dict:
+    """One preset for the explorers: its shapes, its layer pattern (one entry per layer, as
+    `kvlib.layers.LayerKind`'s fields, which the JavaScript sums the cache over), and its
+    parameter count, None for a ``family="shapes"`` preset (kvlib does not count those)."""
     c = PRESETS[name]
-    return {"name": c.name, "n_layer": c.n_layer, "n_head": c.n_head, "n_kv_head": c.n_kv_head,
-            "head_dim": c.head_dim, "d_model": c.d_model, "d_ff": c.d_ff, "vocab_size": c.vocab_size,
-            "tie_embeddings": c.tie_embeddings, "kv_heads": kv_head_choices(c),
-            "param_count": param_count(c)}
+    layers = [{"kind": k.kind, "size": k.size, "sinks": k.sinks, "source": k.source} for k in c.layer_kinds()]
+    return {"name": c.name, "family": c.family, "n_layer": c.n_layer, "n_head": c.n_head,
+            "n_kv_head": c.n_kv_head, "head_dim": c.head_dim, "d_model": c.d_model, "d_ff": c.d_ff,
+            "vocab_size": c.vocab_size, "tie_embeddings": c.tie_embeddings, "kv_heads": kv_head_choices(c),
+            "layers": layers, "param_count": None if c.family == "shapes" else param_count(c)}
 
 
 def trace_for(key: str, max_len: int, n: int = PAGING_REQUESTS, traces: dict | None = None) -> list:
@@ -99,6 +103,8 @@ def explorer_data(*, paging: bool = True) -> dict:
     spec sheets and (unless ``paging=False``) the simulated paging table."""
     return {
         "models": {name: _model(name) for name in MODELS},
+        # the step explorer needs every weight matrix: the presets whose weights kvlib counts
+        "step_models": [name for name in MODELS if PRESETS[name].family == "llama"],
         "dtype_bytes": dict(DTYPE_BYTES),
         "contexts": CONTEXTS,
         "gpus_gib": GPUS_GIB,
