@@ -257,3 +257,15 @@ def test_all_full_is_the_paged_cache(bs, num_blocks, ops):
         for s in pool.sequences():
             assert pool.block_tables(s) == [cache.block_table(ids[s])]
         assert pool.free_order() == cache.allocator.free_order()
+
+
+def test_a_hash_collision_is_a_miss(monkeypatch):
+    """Every prefix hashed alike: a window group that needs only block 1 must still compare
+    the tokens before it, so [5, 6, 3, 4] does not reuse the block that ends [1, 2, 3, 4]."""
+    monkeypatch.setattr("kvlib.paged.hybrid.chain_hash", lambda parent, tokens: 0)
+    pool = HybridBlockPool([window(2)], num_blocks=8, block_size=2)
+    sid, _ = pool.add()
+    pool.append(sid, [1, 2, 3, 4])
+    pool.free(sid)
+    assert pool.longest_hit([1, 2, 3, 4, 9]) == 4
+    assert pool.longest_hit([5, 6, 3, 4, 9]) == 0 == brute_hit(pool, [5, 6, 3, 4, 9])
