@@ -59,22 +59,24 @@ def compare_kept(a: Kept, b: Kept) -> dict:
     return {"heads": n, "identical": n - len(differ), "worst": worst, "differ": differ}
 
 
-def rounding_flip(scores_a: list[float], scores_b: list[float], only_a: list[int], only_b: list[int]) -> dict | None:
+def rounding_flip(scores_a: list[float], scores_b: list[float], only_a: list[int], only_b: list[int],
+                  rtol: float = 1e-4) -> dict | None:
     """Whether positions swapped across the top-k boundary because of rounding alone.
 
-    Every position kept by one side and not the other must score, on *both* sides, within
-    the two sides' largest score difference (on that head) of every swapped position
-    going the other way: the two orders then differ only by less than the rounding
-    between them. Returns the evidence (``gap``: the largest score gap between a swapped
-    pair on side b, ``diff``: the largest ``|a - b|`` on the head), or None if some swap is
-    wider than the rounding can explain.
+    Two conditions. The two sides' scores on the head must agree to rounding: their largest
+    difference ``diff`` at most ``rtol`` of the largest score (fp32 sums in another order
+    differ by about 1e-7 relative; a different algorithm by far more). And every swapped
+    pair must lie within ``2 * diff`` of each other on both sides, as a swap caused by that
+    difference must. Returns the evidence (``gap``, ``diff``, ``scale``), or None.
     """
     if len(only_a) != len(only_b) or not only_a:
         return None
     # positions a side always keeps score +inf there: they are never swapped, and not rounding
-    diff = max((abs(x - y) for x, y in zip(scores_a, scores_b) if math.isfinite(x) and math.isfinite(y)), default=0.0)
+    finite = [(x, y) for x, y in zip(scores_a, scores_b) if math.isfinite(x) and math.isfinite(y)]
+    diff = max((abs(x - y) for x, y in finite), default=0.0)
+    scale = max((abs(y) for _, y in finite), default=0.0)
     gap = max(max(abs(s[i] - s[j]) for i in only_a for j in only_b) for s in (scores_a, scores_b))
-    return {"gap": gap, "diff": diff} if gap <= 2 * diff else None
+    return {"gap": gap, "diff": diff, "scale": scale} if diff <= rtol * scale and gap <= 2 * diff else None
 
 
 def judge(kept: dict, tokens_a: list[int], tokens_b: list[int], causes: list[dict]) -> str:
