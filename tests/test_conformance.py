@@ -24,6 +24,7 @@ from kvlib.hf import HFQuantizedCache
 from kvlib.hybrid import HybridCache, Recompute
 from kvlib.layers import chunked, full, shared, window
 from kvlib.mla import LatentCache
+from kvlib.press import PressCache, SnapKVPress
 from kvlib.quant import CastCache, FP8Cache, QuantizedCache
 
 LOSSY = "it returns dequantized keys and values, not the exact ones stored"
@@ -44,6 +45,23 @@ class ObservedH2O(H2OCache):
         mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # bottom-right causal
         self.attention(q, keys, values, mask)
         return keys, values
+
+
+class ObservedPress(PressCache):
+    """A press cache as `kvlib.press.prefill` drives it: its own attention runs right after each
+    update (a query per key head), which compresses a layer after its prefill."""
+
+    def update(self, key_states, value_states, layer_idx):
+        keys, values = super().update(key_states, value_states, layer_idx)
+        B, H, T, D = key_states.shape
+        q = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(T)).to(keys.dtype)
+        S = keys.shape[2]
+        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # bottom-right causal
+        self.attention(q, keys, values, mask)
+        return keys, values
+
+
+PRESSED = "it compresses each layer's prefill to half, so it holds fewer tokens than it was given"
 
 
 def padded(n, b, h, d, dt):
@@ -105,6 +123,13 @@ REGISTRY = {
            "generation": PATTERNED}),
     "Recompute": (lambda n, b, h, d, dt: Recompute([full()] * n),
                   {"crop and reset": "a one-pass reference (what a model without a cache runs): it refuses crop"}),
+    "PressCache(ratio 0)": (lambda n, b, h, d, dt: PressCache(n, "snapkv", 0.0), {}),
+    "PressCache(compressing)": (
+        lambda n, b, h, d, dt: ObservedPress(n, SnapKVPress(window_size=1, kernel_size=1), 0.5),
+        {p: PRESSED for p in ("update", "layers independent", "crop and reset", "nbytes", "legacy",
+                              "reset new batch")}
+        | {"generation": "it compresses only through its own attention, which generate() does not install, "
+                         "and then it is lossy"}),
 }
 
 

@@ -1,0 +1,81 @@
+"""NVIDIA's kvpress, run beside kvlib's presses on the same passage, position for position.
+
+kvpress pins its own transformers (``>=4.56,<5.3``), so it lives in an environment of its
+own (``make kvpress`` builds ``.venv-kvpress``: kvpress 0.5.5, kvlib, and SmolLM2 written
+in Hugging Face format by `kvlib.hf.to_hf`). The check
+
+    python -m kvlib.presscheck --json kvlib/data/kvpress_cpu.json
+
+prefills one Tiny Shakespeare passage (`kvlib.presscheck.workload`) with each press
+(SnapKV, PyramidKV, TOVA, Expected Attention, StreamingLLM) at two compression ratios:
+through kvpress in its environment (`kvlib.presscheck.kvpress_side`, which reads the kept
+positions out of kvpress's pruned cache), through `kvlib.press`, and through a
+brute-force version of each paper's algorithm (`kvlib.presscheck.reference`). It then
+compares, per layer and KV head, which positions each kept, their scores, and the greedy
+tokens after compression (`kvlib.presscheck.compare`); any difference must come with a
+tested cause. The record it writes is what the book reads where kvpress is not installed.
+
+* `kvpress_python`: the kvpress environment's interpreter, or None.
+* `run`: all of it, compared (`kvlib.presscheck.driver`).
+* `load_record`: the stored record (``kvlib/data/kvpress_cpu.json``); `table`: its rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+RECORD = Path(__file__).resolve().parents[1] / "data" / "kvpress_cpu.json"
+VENV = Path(__file__).resolve().parents[2] / ".venv-kvpress"  # where `make kvpress` puts it, beside kvlib/
+ENV_VAR = "KVLIB_KVPRESS_PYTHON"  # a path to another kvpress interpreter, or "off"
+
+
+def kvpress_python() -> Path | None:
+    """The interpreter of the kvpress environment: ``$KVLIB_KVPRESS_PYTHON`` if set ("off": none),
+    else ``.venv-kvpress/bin/python`` beside kvlib when ``make kvpress`` built it; None otherwise."""
+    env = os.environ.get(ENV_VAR)
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
+    py = VENV / "bin" / "python"
+    return py if py.is_file() and (VENV / "smollm2-hf" / "config.json").is_file() else None
+
+
+def load_record(path: str | os.PathLike | None = None) -> dict:
+    """The press check's stored record: settings, versions, each side's results and the comparisons."""
+    p = Path(path) if path is not None else RECORD
+    if not p.is_file():
+        raise FileNotFoundError(f"no press-check record at {p}: run `make kvpress presscheck`")
+    return json.loads(p.read_text())
+
+
+def table(record: dict, side: str = "kvlib") -> list[dict]:
+    """One row per run of ``side`` (``"kvlib"`` or ``"reference"``) against kvpress: press, ratio,
+    heads with identical kept sets, the worst overlap, the largest score difference, whether the
+    greedy tokens are equal, the status and the causes of any difference."""
+    if side not in ("kvlib", "reference"):
+        raise ValueError(f"side must be 'kvlib' or 'reference', got {side!r}")
+    rows = []
+    for c in record["comparisons"]:
+        if c["side"] != side:
+            continue
+        if c["status"] == "missing":
+            rows.append({"press": c["press"], "ratio": c["ratio"], "status": "missing", "cause": c["detail"]})
+            continue
+        rows.append({
+            "press": c["press"], "ratio": c["ratio"], "identical heads": f"{c['identical']}/{c['heads']}",
+            "worst overlap": round(c["worst"]["overlap"], 4),
+            "score max |diff|": c["score_max_abs_diff"], "tokens equal": c["tokens_equal"],
+            "status": c["status"], "cause": "; ".join(x["cause"] for x in c["causes"]),
+        })
+    return rows
+
+
+def run(*args, **kwargs) -> dict:
+    """`kvlib.presscheck.driver.run` (imported on first use: it needs the model code)."""
+    from .driver import run as _run
+
+    return _run(*args, **kwargs)
+
+
+__all__ = ["RECORD", "kvpress_python", "load_record", "run", "table"]
