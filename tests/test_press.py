@@ -246,11 +246,14 @@ def test_pyramid_budgets_follow_the_formula_and_sum_to_the_ratio(S, ratio, windo
         assert abs(sum(got) - n_layer * S * (1 - ratio)) <= n_layer
 
 
-def test_pyramid_falls_back_to_snapkv_at_kvpress_defaults_below_1280_kept_tokens():
-    press = PyramidKVPress()  # window 64, beta 20: the last layer's kept / 20 must reach the window
+def test_pyramid_at_kvpress_defaults_is_snapkv_where_the_last_layer_would_fall_under_the_window():
+    press = PyramidKVPress()  # window 64, beta 20: the last layer keeps (average kept) / 20
     assert len({press.n_kept(8192, 0.75, i, 30) for i in range(30)}) == 30  # 2,048 kept: a pyramid
-    assert {press.n_kept(4096, 0.75, i, 30) for i in range(30)} == {1024}  # 1,024 kept: none
+    assert {press.n_kept(4096, 0.75, i, 30) for i in range(30)} == {1024}  # 1,024 / 20 < 64: none
     assert {press.n_kept(512, 0.75, i, 30) for i in range(30)} == {128}
+    # 256 of 512: the first layer is clipped to 512 - 64 = 448, so the last gets 2 * 256 - 448 = 64
+    got = [press.n_kept(512, 0.5, i, 30) for i in range(30)]
+    assert got[0] == 448 and got[-1] == 64
 
 
 # -- on a model: the queries and keys it really made ----------------------------------------------------
