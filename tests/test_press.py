@@ -124,8 +124,8 @@ def ref_expected_attention(q, k, v, base, n_sink, n_future, cov=True):
             pre = torch.tensor([rotate(q[b, h, t].tolist(), -t, base) for t in range(n_sink, S)], dtype=torch.float64)
             mu = pre.mean(0)
             c = pre - mu
-            cov = sum(torch.outer(c[i], c[i]) for i in range(len(c))) / len(c)
-            mu_r, cov_r = R @ mu, R @ cov @ R.T
+            sigma = sum(torch.outer(c[i], c[i]) for i in range(len(c))) / len(c)  # (D, D)
+            mu_r, cov_r = R @ mu, R @ sigma @ R.T
             logits = [float(k[b, h // G, j] @ mu_r) / math.sqrt(D)
                       + cov * float(k[b, h // G, j] @ cov_r @ k[b, h // G, j]) / (2 * D) for j in range(n_sink, S)]
             for j, p in zip(range(n_sink, S), rows_softmax(logits)):
