@@ -136,6 +136,24 @@ def test_against_a_record_finds_what_moved(record):
         ("vllm", "serving", 1, sorted(moved["vllm"]["serving"]["phases"][1]["requests"])[0])}
 
 
+def test_a_scenario_vllm_refused_here_is_left_out_and_nothing_else(record):
+    """A CPU without AVX-512 or AMX: vLLM refuses its FP8 cache, so that scenario cannot be compared with a
+    record made where it ran; every other fact still is, and a report's status never is."""
+    from kvlib.crosscheck.__main__ import _facts, refused
+
+    here = copy.deepcopy(record)
+    here["vllm"]["fp8"] = {"error": "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."}
+    for c in here["checks"]:
+        if c["name"].startswith("fp8"):
+            c["name"], c["status"] = "fp8 cache", "report"
+    skip = refused(here)
+    assert skip == {"fp8"} and not refused(record)
+    assert _facts(here, skip) == _facts(record, skip)
+    assert _facts(here) != _facts(record)  # without the skip the missing run shows
+    _first(here, "kvlib", "mixed", 0)["tokens"][0] += 1  # a fact elsewhere still counts
+    assert _facts(here, skip) != _facts(record, skip)
+
+
 def test_the_command_says_how_to_get_vllm_when_there_is_none(monkeypatch, capsys):
     from kvlib.crosscheck.__main__ import main
 

@@ -22,16 +22,24 @@ from .workload import scenarios, serving_prompts, spec_prompts
 DETERMINISTIC = ("tokens", "cached_tokens", "first_step")
 
 
-def _facts(record: dict) -> dict:
-    """What must not change between runs: every request's tokens, hits and first step, and each check's status."""
+def _facts(record: dict, skip: frozenset[str] = frozenset()) -> dict:
+    """What must not change between runs: every request's tokens, hits and first step, and each check's status
+    (a "report" only measures, so it is not compared). Scenarios in ``skip`` are left out."""
     out = {}
     for side in ("vllm", "kvlib"):
         for name, res in record[side].items():
+            if name in skip:
+                continue
             for i, phase in enumerate(res.get("phases", [])):
                 for rid, r in phase["requests"].items():
                     out[side, name, i, rid] = tuple(json.dumps(r.get(k)) for k in DETERMINISTIC)
-    out["checks"] = tuple((c["name"], c["status"]) for c in record["checks"])
+    out["checks"] = tuple((c["name"], c["status"]) for c in record["checks"] if c["status"] != "report")
     return out
+
+
+def refused(record: dict) -> frozenset[str]:
+    """The scenarios this machine's vLLM refused to start (its FP8 cache needs AVX-512 or AMX, say)."""
+    return frozenset(name for name, v in record["vllm"].items() if "error" in v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1) + "\n")
     if args.against:
-        old, new = _facts(json.loads(args.against.read_text())), _facts(record)
+        skip = refused(record)  # vLLM ran none of it here: the record's results for it cannot be compared
+        if skip:
+            print(f"vLLM refused {sorted(skip)} on this machine: not compared with {args.against}")
+        old, new = _facts(json.loads(args.against.read_text()), skip), _facts(record, skip)
         moved = sorted(str(k) for k in set(old) | set(new) if old.get(k) != new.get(k))
         if moved:
             print(f"differs from {args.against}: {moved[:10]}", file=sys.stderr)
