@@ -36,23 +36,34 @@ VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"  # where `make vllm` p
 ENV_VAR = "KVLIB_VLLM_PYTHON"  # a path to another vLLM interpreter, or "off"
 
 
+def env_python(venv: Path, env_var: str) -> Path | None:
+    """The interpreter of an outside reference's environment: ``$env_var`` if set ("off": none), else
+    ``venv/bin/python`` when its make target built it (its SmolLM2 export included); None otherwise."""
+    env = os.environ.get(env_var)
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
+    py = venv / "bin" / "python"
+    return py if py.is_file() and (venv / "smollm2-hf" / "config.json").is_file() else None
+
+
+def read_record(path: str | os.PathLike, make: str) -> dict:
+    """A stored comparison record (JSON), or a FileNotFoundError naming the ``make`` targets that write it."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no record at {p}: run `make {make}`")
+    return json.loads(p.read_text())
+
+
 def vllm_python() -> Path | None:
     """The interpreter of the vLLM environment: ``$KVLIB_VLLM_PYTHON`` if set ("off": none),
     else ``.venv-vllm/bin/python`` beside kvlib when ``make vllm`` built it; None otherwise."""
-    env = os.environ.get(ENV_VAR)
-    if env is not None:
-        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
-    py = VENV / "bin" / "python"
-    return py if py.is_file() and (VENV / "smollm2-hf" / "config.json").is_file() else None
+    return env_python(VENV, ENV_VAR)
 
 
 def load_record(path: str | os.PathLike | None = None) -> dict:
     """The cross-check's stored record: its settings, each engine's results and every check."""
-    p = Path(path) if path is not None else RECORD
-    if not p.is_file():
-        raise FileNotFoundError(f"no cross-check record at {p}: run `make vllm crosscheck`")
-    return json.loads(p.read_text())
+    return read_record(RECORD if path is None else path, "vllm crosscheck")
 
 
-__all__ = ["Check", "RECORD", "capacity_line", "compare", "load_record", "run", "serving", "serving_prompts",
+__all__ = ["Check", "RECORD", "capacity_line", "compare", "env_python", "load_record", "read_record", "run", "serving", "serving_prompts",
            "spec_prompts", "vllm_python"]

@@ -59,7 +59,7 @@ def _tokens(name: str, v: dict, k: dict, what: str) -> Check:
                  f"greedy fp32 tokens of {what}, row for row" + (f"; differ: {bad}" if bad else ""))
 
 
-def _agreement(a: list[int], b: list[int]) -> int:
+def shared_prefix(a: list[int], b: list[int]) -> int:
     """How many tokens two generations share before they first part."""
     n = 0
     for x, y in zip(a, b):
@@ -166,8 +166,8 @@ def compare(config: ModelConfig, scenarios: list[dict], vllm: dict[str, dict], k
         v32, k32 = vllm["mixed"]["phases"][0]["requests"], m["phases"][0]["requests"]
         ids = sorted(v8)
         new = sum(len(v8[i]["tokens"]) for i in ids)
-        va = sum(_agreement(v8[i]["tokens"], v32[i]["tokens"]) for i in ids)
-        ka = sum(_agreement(k8[i]["tokens"], k32[i]["tokens"]) for i in ids)
+        va = sum(shared_prefix(v8[i]["tokens"], v32[i]["tokens"]) for i in ids)
+        ka = sum(shared_prefix(k8[i]["tokens"], k32[i]["tokens"]) for i in ids)
         same, n, _ = _rows(v8, k8)
         checks.append(Check("fp8 cache: agreement with fp32", "report",
                             {"tokens before parting": f"{va} of {new}"},

@@ -22,9 +22,10 @@ tested cause. The record it writes is what the book reads where kvpress is not i
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
+
+from ..crosscheck import env_python, read_record
 
 RECORD = Path(__file__).resolve().parents[1] / "data" / "kvpress_cpu.json"
 VENV = Path(__file__).resolve().parents[2] / ".venv-kvpress"  # where `make kvpress` puts it, beside kvlib/
@@ -34,19 +35,12 @@ ENV_VAR = "KVLIB_KVPRESS_PYTHON"  # a path to another kvpress interpreter, or "o
 def kvpress_python() -> Path | None:
     """The interpreter of the kvpress environment: ``$KVLIB_KVPRESS_PYTHON`` if set ("off": none),
     else ``.venv-kvpress/bin/python`` beside kvlib when ``make kvpress`` built it; None otherwise."""
-    env = os.environ.get(ENV_VAR)
-    if env is not None:
-        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
-    py = VENV / "bin" / "python"
-    return py if py.is_file() and (VENV / "smollm2-hf" / "config.json").is_file() else None
+    return env_python(VENV, ENV_VAR)
 
 
 def load_record(path: str | os.PathLike | None = None) -> dict:
     """The press check's stored record: settings, versions, each side's results and the comparisons."""
-    p = Path(path) if path is not None else RECORD
-    if not p.is_file():
-        raise FileNotFoundError(f"no press-check record at {p}: run `make kvpress presscheck`")
-    return json.loads(p.read_text())
+    return read_record(RECORD if path is None else path, "kvpress presscheck")
 
 
 def table(record: dict, side: str = "kvlib") -> list[dict]:

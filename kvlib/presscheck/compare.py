@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+from ..crosscheck.compare import shared_prefix  # how many tokens two continuations share
+
 Kept = list[list[list[int]]]  # [layer][kv head] -> ascending positions
 
 
@@ -91,13 +93,3 @@ def judge(kept: dict, tokens_a: list[int], tokens_b: list[int], causes: list[dic
             return "fail"
         covered |= set(kept["differ"]) if c.get("heads") == "all" else set(c.get("heads", ()))
     return "explained" if set(kept["differ"]) <= covered else "fail"
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens two continuations share before they first part."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
