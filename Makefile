@@ -49,8 +49,8 @@ presscheck: setup kvpress
 	$(PY) -m kvlib.presscheck --json _build/kvpress_cpu.json --against kvlib/data/kvpress_cpu.json
 
 # The book build executes every chapter, and a failing cell fails it (-W), so `make test` runs the test suite
-# without executing the chapters a second time. `make nbval` runs them under nbval; CI does that twice more, as
-# readers' machines: every chapter at the dependency floors, and every reader edition (.ci/run).
+# without executing the chapters a second time. `make nbval` runs them under nbval; CI does that once more, as
+# readers' machines: every reader edition at the dependency floors, half at 1 thread and half at 4 (.ci/run).
 test: book
 	$(PY) -m pytest -n 2 --dist loadfile tests/
 
