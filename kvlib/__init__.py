@@ -38,7 +38,7 @@ _LAZY_NAMES = {
 }
 # The submodules a chapter reaches as kvlib.<name> (the core ones above are loaded already).
 _SUBMODULES = (
-    "bench", "book", "chat", "check", "cost", "crosscheck", "data", "engine", "evaluate", "evict", "gqa",
+    "bench", "book", "chat", "check", "cost", "crosscheck", "data", "distributed", "engine", "evaluate", "evict", "gqa",
     "hardware", "hf", "invariant", "kernels", "layers", "memory", "mla", "needle", "numerics", "packed", "paged",
     "press", "presscheck", "pretrained", "quant", "radix",
     "scheduler",
