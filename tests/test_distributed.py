@@ -47,12 +47,12 @@ def test_plan_splits_heads_and_replicates_kv_heads_when_ranks_outnumber_them():
     (kvlib.PRESETS["smollm2-135m"], 2, "9 query heads do not divide among 2"),
     (kvlib.PRESETS["smollm2-135m"], 4, "9 query heads do not divide among 4"),
     (kvlib.PRESETS["smollm2-135m"], 9, "d_ff=1536 does not divide among 9"),
-    (TINY.replace(n_head=12, n_kv_head=4), 6, "4 KV heads and tensor-parallel size 6: neither divides"),
+    (TINY.replace(n_head=12, n_kv_head=4), 6, "size 6 exceeds the 4 KV heads but is not a multiple"),
 ])
 def test_sizes_vllm_refuses_are_refused_with_the_rule(config, size, words):
     with pytest.raises(ValueError, match=words):
         tp.plan(config, size)
-    with pytest.raises(ValueError, match="tensor-parallel size must be a positive int|positive"):
+    with pytest.raises(ValueError, match="positive"):
         tp.plan(config, 0)
 
 
@@ -62,9 +62,6 @@ def test_a_ranks_cache_is_its_share_of_the_formula():
     assert 3 * kvlib.memory.kv_cache_bytes(tp.local_config(smol, 3), 1000, dtype="bf16") == whole
     tiny4 = kvlib.memory.kv_cache_bytes(tp.local_config(TINY, 4), 1000)
     assert 2 * tiny4 == kvlib.memory.kv_cache_bytes(TINY, 1000)  # replicated: half, not a quarter
-    # MLA: the latent is every head's, so each rank keeps all of it
-    per_rank = {tp.latent_bytes_per_rank(576, 61, 1000, size) for size in (1, 8, 16)}
-    assert per_rank == {576 * 61 * 1000 * 2}
 
 
 def test_the_ranks_partial_outputs_sum_to_the_whole_layer():

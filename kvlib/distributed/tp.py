@@ -19,7 +19,7 @@ so its cache is exactly ``1 / p`` of the whole. With ``p > H_kv`` there are fewe
 than ranks: each KV head is **replicated** on ``p / H_kv`` ranks, each rank still caches one
 head, and the cluster stores the cache ``p / H_kv`` times over. A size where neither of
 ``H_kv`` and ``p`` divides the other is refused, as vLLM refuses it. MLA's single latent
-cannot be split by heads at all: it is replicated on every rank (`latent_bytes_per_rank`),
+cannot be split by heads at all: it is replicated on every rank (`cluster.shard_bytes`),
 which is why SGLang and vLLM run DeepSeek's attention data-parallel instead.
 
 `shard(model, rank, size)` builds rank ``rank``'s model: a plain kvlib `Transformer` of the
@@ -42,6 +42,7 @@ from ..generate import decode_step, prefill
 from ..memory import dtype_bytes
 from ..model import Linear, Transformer
 from ..validate import int_in_range, positive_int
+from .cluster import kv_heads_per_rank
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,7 @@ def plan(config: ModelConfig, size: int) -> list[Shard]:
     if H % size:
         raise ValueError(f"{name}'s {H} query heads do not divide among {size} ranks: tensor-parallel size "
                          f"must divide n_head ({[s for s in range(1, H + 1) if H % s == 0]} here)")
-    if H_kv % size and size % H_kv:
-        raise ValueError(f"{name}'s {H_kv} KV heads and tensor-parallel size {size}: neither divides the other, "
-                         f"so the KV heads can be neither split evenly nor replicated evenly (vLLM refuses too)")
+    kv_heads_per_rank(H_kv, size)  # vLLM's rule for the KV heads: split, or replicate, or refuse
     if F % size:
         raise ValueError(f"{name}'s MLP width d_ff={F} does not divide among {size} ranks")
     q_per, f_per = H // size, F // size
@@ -170,16 +169,6 @@ def allreduce_bytes(config: ModelConfig, tokens: int, batch: int = 1, dtype: str
     sums one ``(batch, tokens, d_model)`` activation.
     """
     return 2 * config.n_layer * batch * tokens * config.d_model * dtype_bytes(dtype)
-
-
-def latent_bytes_per_rank(latent_numbers: int, n_layer: int, tokens: int, size: int, dtype: str | int = "bf16") -> int:
-    """MLA's cache on each of ``size`` ranks: the whole latent, whatever ``size`` is.
-
-    A latent is one vector per token and layer, shared by every head: splitting heads across
-    ranks leaves each rank needing all of it. (``size`` is taken to say so: it changes nothing.)
-    """
-    positive_int("tensor-parallel size", size)
-    return latent_numbers * n_layer * tokens * dtype_bytes(dtype)
 
 
 def _model(source) -> Transformer:
