@@ -134,6 +134,8 @@ def run_scenario(python: Path, scenario: dict, model_dir: Path, timeout: int = T
                     "process_seconds": time.perf_counter() - t0}
         result = json.loads(out.read_text())
     result["process_seconds"] = time.perf_counter() - t0
+    for path, name in ((scenario.get("storage"), "<storage>"), (str(model_dir), "smollm2-hf")):
+        output = output.replace(path, name) if path else output  # this machine's paths are no facts
     result["log"] = _log_lines(output)
     return result
 

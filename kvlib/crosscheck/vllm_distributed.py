@@ -25,6 +25,7 @@ this file, so it runs with vLLM's pinned transformers.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import traceback
@@ -54,8 +55,8 @@ def _error(e: BaseException) -> dict:
     ``vllm/``), and the traceback's tail."""
     frame = traceback.extract_tb(e.__traceback__)[-1]
     where = frame.filename.split("site-packages/")[-1]
-    return {"error": f"{type(e).__name__}: {e}", "raised_at": f"{where}:{frame.lineno}",
-            "traceback": traceback.format_exc()[-3000:]}
+    tb = re.sub(r'File "[^"]*site-packages/', 'File "', traceback.format_exc())  # paths as in the wheel
+    return {"error": f"{type(e).__name__}: {e}", "raised_at": f"{where}:{frame.lineno}", "traceback": tb[-3000:]}
 
 
 def _rank_pool(worker) -> dict:
