@@ -56,13 +56,18 @@ def prompts(text_ids: list[int]) -> list[list[int]]:
     return [list(text_ids[100 + 1000 * i : 100 + 1000 * i + n]) for i, n in enumerate(PROMPT_LENGTHS)]
 
 
+def connector_prompt(text_ids: list[int]) -> list[int]:
+    """The connectors' one prompt: `CONNECTOR_PROMPT` tokens from another place of the text."""
+    return list(text_ids[5000 : 5000 + CONNECTOR_PROMPT])
+
+
 def scenarios(text_ids: list[int], storage: str | os.PathLike) -> list[dict]:
     """Every scenario, with vLLM's ``LLM(...)`` settings; ``storage``: a folder for the disk connector."""
     common = {"dtype": "float32", "max_model_len": 1024, "block_size": 32, "enforce_eager": True, "seed": 0,
               "kv_cache_memory_bytes": POOL_BYTES}
     tp = {**common, "distributed_executor_backend": "mp"}
     ps = prompts(text_ids)
-    one = [list(text_ids[5000 : 5000 + CONNECTOR_PROMPT])]
+    one = [connector_prompt(text_ids)]
 
     def connector(name: str, llm: dict, env: dict | None = None, folder: str | None = None) -> dict:
         return {"name": name, "kind": "connector", "llm": {**common, **llm}, "prompts": one,
@@ -230,7 +235,7 @@ def run(model, text_ids: list[int], python: Path | None = None, model_dir: Path 
         t0 = time.perf_counter()
         with threads(2):
             record["kvlib"] = {"tokens": kvlib_tokens(model, prompts(text_ids)),
-                               "connector_tokens": kvlib_tokens(model, [list(text_ids[5000 : 5000 + CONNECTOR_PROMPT])])[0]}
+                               "connector_tokens": kvlib_tokens(model, [connector_prompt(text_ids)])[0]}
         record["seconds_by_scenario"]["kvlib"] = time.perf_counter() - t0
         for s in work:
             t0 = time.perf_counter()

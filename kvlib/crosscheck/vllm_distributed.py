@@ -56,6 +56,7 @@ def _error(e: BaseException) -> dict:
     frame = traceback.extract_tb(e.__traceback__)[-1]
     where = frame.filename.split("site-packages/")[-1]
     tb = re.sub(r'File "[^"]*site-packages/', 'File "', traceback.format_exc())  # paths as in the wheel
+    tb = tb.replace(str(Path(__file__).resolve().parents[2]) + "/", "")  # and as in this checkout
     return {"error": f"{type(e).__name__}: {e}", "raised_at": f"{where}:{frame.lineno}", "traceback": tb[-3000:]}
 
 
