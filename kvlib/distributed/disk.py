@@ -346,6 +346,7 @@ class DiskStore:
             meta = json.loads(data[8 : 8 + n])["__metadata__"]
             tensors = st_load(data)
             k, v = tensors["keys"], tensors["values"]
+            said_tokens, said_parent = json.loads(meta["tokens"]), meta["parent"]
             whole = (meta["format"] == FORMAT and meta["fingerprint"] == self.fingerprint and meta["key"] == key
                      and k.shape == v.shape == self.shape and k.dtype == v.dtype == self.dtype
                      and meta["sha256"] == _checksum(k, v))
@@ -357,7 +358,7 @@ class DiskStore:
                 if os.stat(p).st_ino == ino:  # remove the damaged file, not one a writer just put there
                     p.unlink()
             return None
-        if json.loads(meta["tokens"]) != tokens or meta["parent"] != (parent or ""):
+        if said_tokens != tokens or said_parent != (parent or ""):
             return None  # a whole chunk, of another prefix: a hash collision, or a file under a wrong name
         return k, v
 
