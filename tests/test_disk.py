@@ -109,10 +109,12 @@ def test_smollm2_end_to_end(tmp_path):
 BLOCKS = [rand_tokens(CT, seed=100 + b) for b in range(3)]  # prompts reuse these chunks after other prefixes
 
 
-def fuzz_worker(root: str, seed: int, ops: int, budget: int, out: str) -> None:
+def fuzz_worker(root: str, seed: int, ops: int, budget: int, out: str, barrier) -> None:
     torch.set_num_threads(1)
     store, rng = open_store(root, budget_bytes=budget), random.Random(seed)
     counts = {"hits": 0, "hit_tokens": 0, "wrong": 0, "puts": 0}
+    barrier.wait(timeout=60)  # every worker imported and ready: the loops below overlap
+    counts["start"] = time.time()
     for _ in range(ops):
         tokens = sum((rng.choice(BLOCKS) for _ in range(rng.randint(1, 4))), []) + rand_tokens(rng.randint(0, 9), seed)
         if rng.random() < 0.5:
@@ -125,7 +127,7 @@ def fuzz_worker(root: str, seed: int, ops: int, budget: int, out: str) -> None:
             counts["wrong"] += not same
             counts["hits"] += got.n_tokens > 0
             counts["hit_tokens"] += got.n_tokens
-    counts.update(evictions=store.evictions, corrupt=store.corrupt)
+    counts.update(evictions=store.evictions, corrupt=store.corrupt, end=time.time())
     Path(out).write_text(json.dumps(counts))
 
 
@@ -152,9 +154,12 @@ def test_concurrent_readers_and_writers_never_see_a_wrong_chunk(tmp_path):
     file_bytes = 2 * L * H * CT * D * 4 + 1024  # a chunk's tensors and, generously, its header
     budget = 5 * file_bytes  # far fewer chunks than the prompts make: evictions all the time
     outs = [tmp_path / f"worker{i}.json" for i in range(3)]
-    codes = run_processes([(fuzz_worker, (str(root), i, 60, budget, str(out))) for i, out in enumerate(outs)], 120)
+    barrier = mp.get_context("spawn").Barrier(3)
+    codes = run_processes([(fuzz_worker, (str(root), i, 150, budget, str(out), barrier))
+                           for i, out in enumerate(outs)], 120)
     assert codes == [0, 0, 0]
     results = [json.loads(o.read_text()) for o in outs]
+    assert max(r["start"] for r in results) < min(r["end"] for r in results)  # the three ran at once
     assert sum(r["wrong"] for r in results) == 0
     assert sum(r["hits"] for r in results) > 10 and sum(r["evictions"] for r in results) > 10
     assert not temps(root) and open_store(root).nbytes <= budget
