@@ -340,8 +340,12 @@ def test_bad_input_gets_a_clear_error(tmp_path):
         store.lookup(torch.zeros(2, 8, dtype=torch.long))
     with pytest.raises(TypeError, match="integer ids, got dtype torch.float32"):
         store.lookup(torch.zeros(8))
-    with pytest.raises(ValueError, match="non-negative ints, got -1"):
+    with pytest.raises(ValueError, match="token ids must be non-negative, got -1"):
         store.lookup([1, -1])
+    with pytest.raises(TypeError, match="a token id must be an int, got str '3'"):
+        store.put([1, "3"], synthetic_kv([1, 3]))
+    with pytest.raises(ValueError, match="token ids must be non-negative, got -2"):
+        store.lookup(torch.tensor([[5, -2]]))
     with pytest.raises(ValueError, match="max_tokens must be an int >= 0, got -1"):
         store.lookup(tokens, max_tokens=-1)
     with pytest.raises(ValueError, match="2 per-layer"):

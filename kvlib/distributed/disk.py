@@ -54,7 +54,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..cache import Cache
-from ..validate import int_at_least, positive_int
+from ..validate import an_int, int_at_least, positive_int
 
 try:  # POSIX: one writer at a time makes room and renames, so the budget holds across processes
     import fcntl
@@ -108,12 +108,12 @@ def token_list(tokens: object) -> list[int]:
             tokens = tokens[0]
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be (T,) or (1, T): the store keeps one sequence, got {tuple(tokens.shape)}")
-        return tokens.tolist()
+        tokens = tokens.tolist()
     if not isinstance(tokens, (list, tuple)):
         raise TypeError(f"tokens must be a list of ints or an integer tensor, got {type(tokens).__name__}")
-    bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or t < 0]
-    if bad:
-        raise ValueError(f"tokens must be non-negative ints, got {bad[0]!r}")
+    for t in tokens:
+        if an_int("a token id", t) < 0:
+            raise ValueError(f"token ids must be non-negative, got {t}")
     return list(tokens)
 
 
@@ -235,15 +235,10 @@ class DiskStore:
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
         """Hold the directory's lock: making room and renaming is one step across processes."""
-        if fcntl is None:
-            yield
-            return
         with open(self.root / ".lock", "a+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            yield
 
     # -- writing ----------------------------------------------------------------------------------
     def _encode(self, key: str, parent: str | None, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> bytes:
@@ -413,12 +408,10 @@ class DiskStore:
 
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this machine (a temp file's writer may still be writing)."""
-    if pid == os.getpid():
-        return True
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether it exists
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
-        return True  # exists, owned by someone else (or we cannot tell: keep the file)
+    except OSError:
+        pass  # it exists, owned by another user (or we cannot tell: keep its file)
     return True
