@@ -124,24 +124,27 @@ def load_vs_recompute(model: Transformer, tokens: object, lengths: Sequence[int]
         raise ValueError(f"lengths must be positive multiples of chunk_tokens={chunk_tokens}, at most "
                          f"len(tokens)={len(ids)}; got {list(lengths)}")
     longest = max(lengths)
-    fresh = lambda: StaticCache.for_model(model.config, 1, longest, dtype=model.dtype, device=model.device)  # noqa: E731
+
+    def fresh(n: int) -> StaticCache:  # both sides fill a cache of exactly n slots, allocated in the timing
+        return StaticCache.for_model(model.config, 1, n, dtype=model.dtype, device=model.device)
+
     per_token = 2 * model.config.n_layer * model.config.n_kv_head * model.config.head_dim * model.dtype.itemsize
     store = DiskStore.for_model(store_dir, model, model_id=model_id, chunk_tokens=chunk_tokens,
                                 budget_bytes=2 * per_token * longest + (1 << 20))
-    cache = fresh()
+    cache = fresh(longest)
     model(torch.tensor(ids[:longest], device=model.device)[None], cache, last_only=True)
     store.put(ids[:longest], cache)
     cold = hasattr(os, "posix_fadvise")
     rows = []
     for n in lengths:
         prompt = torch.tensor(ids[:n], device=model.device)[None]  # (1, n)
-        recompute = timeit(lambda: model(prompt, fresh(), last_only=True), warmup=1, repeats=repeats)["median"]
+        recompute = timeit(lambda: model(prompt, fresh(n), last_only=True), warmup=1, repeats=repeats)["median"]
 
         def load() -> None:
             got = store.lookup(ids[:n], device=model.device)
             if got.n_tokens != n:
                 raise RuntimeError(f"the store lost a chunk during the measurement: {got.n_tokens} of {n} tokens")
-            got.fill(fresh())
+            got.fill(fresh(n))
 
         files = [store.path(k) for k in store.keys_for(ids[:n])]
         row = {"tokens": n, "bytes": sum(os.path.getsize(p) for p in files), "recompute_s": recompute,
