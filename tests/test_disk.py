@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.distributed import disk
+from kvlib.distributed import chunkfile, disk
 from kvlib.generate import prefill as full_prefill
 from kvlib.distributed.disk import DiskStore, StoreError
 from kvlib.distributed.tiered import crossover, load_vs_recompute, prefill
@@ -57,7 +57,7 @@ def assert_exact(prefix, tokens):
 
 
 def temps(root) -> list[Path]:
-    return [p for p in Path(root).iterdir() if p.name.endswith(disk.TEMP_SUFFIX)]
+    return [p for p in Path(root).iterdir() if p.name.endswith(chunkfile.TEMP_SUFFIX)]
 
 
 def rand_tokens(n, seed, lo=10, hi=97):  # two-digit ids: every chunk file has the same size
@@ -175,7 +175,7 @@ def slow_writer(root: str, marker: str) -> None:
         Path(marker).touch()
         time.sleep(60)
 
-    disk._write_pieces = half_then_wait
+    chunkfile._write_pieces = half_then_wait
     tokens = rand_tokens(CT, seed=7)
     open_store(root).put(tokens, synthetic_kv(tokens))
 
@@ -208,8 +208,8 @@ def test_lookup_ignores_temp_files_and_sweep_removes_only_stale_ones(tmp_path):
     store = open_store(tmp_path)
     tokens = rand_tokens(CT, seed=3)
     key = store.keys_for(tokens)[0]
-    live = tmp_path / f".{key}.{os.getpid()}.abcd{disk.TEMP_SUFFIX}"  # a writer in flight: this process
-    live.write_bytes(disk.st_save({"keys": torch.zeros(L, H, CT, D), "values": torch.zeros(L, H, CT, D)}))
+    live = tmp_path / f".{key}.{os.getpid()}.abcd{chunkfile.TEMP_SUFFIX}"  # a writer in flight: this process
+    live.write_bytes(chunkfile.st_save({"keys": torch.zeros(L, H, CT, D), "values": torch.zeros(L, H, CT, D)}))
     assert store.lookup(tokens).n_tokens == 0 and store.sweep() == 0 and live.exists()
     os.utime(live, (time.time() - 7200,) * 2)
     assert store.sweep(max_age_s=3600) == 1 and not live.exists()
@@ -316,7 +316,7 @@ def test_a_full_disk_raises_a_clear_error_and_leaves_no_temp(tmp_path, monkeypat
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         f.write(data[len(data) // 2 :])
 
-    monkeypatch.setattr(disk, "_write_pieces", fills_up_on_the_second_chunk)
+    monkeypatch.setattr(chunkfile, "_write_pieces", fills_up_on_the_second_chunk)
     with pytest.raises(StoreError, match="No space left on device") as info:
         store.put(tokens, synthetic_kv(tokens))
     assert info.value.errno == errno.ENOSPC and not temps(tmp_path) and len(store) == 1
@@ -324,7 +324,8 @@ def test_a_full_disk_raises_a_clear_error_and_leaves_no_temp(tmp_path, monkeypat
     writes.clear()
     model = tiny_model()
     served = prefill(model, tokens, open_store(tmp_path / "m"))  # a request survives a failed store
-    assert served.computed == 3 * CT and "No space left" in served.store_error and not temps(tmp_path / "m")
+    assert (served.computed, served.stored) == (3 * CT, 1)  # the chunk before the failure
+    assert "No space left" in served.store_error and not temps(tmp_path / "m")
 
 
 # -- misuse -------------------------------------------------------------------------------------

@@ -12,18 +12,16 @@ instead of recomputing it:
 * **SGLang HiCache** puts a CPU-memory tier and a storage tier below the radix tree of
   GPU pages, and writes pages through or back to them; a hit in a lower tier is loaded
   back onto the GPU before the prefill of the rest.
-* **vLLM's offloading connector** (the KV connector API, also what LMCache plugs into)
-  does the same per block: it saves full blocks after a step and, when the scheduler
+* **vLLM's offloading connector** (vLLM 0.11+, through the KV connector API that LMCache
+  plugs into too) does the same per block, into CPU memory: it saves full blocks and, when the scheduler
   asks how many tokens are already computed, answers from the offloaded store.
 
 `DiskStore` is that idea at its smallest: one safetensors file per chunk, every layer's
 keys and values in it, named by the chunk's key. A chunk is safe to serve only if it
 is whole and is the chunk asked for, so the store
 
-* writes atomically: a temp file in the same directory, flushed and fsynced, then
-  ``os.replace`` onto the final name (a reader sees the whole file or none);
-* keeps a sha256 checksum of the tensor bytes in the file's metadata and checks it on
-  every read (a flipped bit is a miss, and the file is removed);
+* writes atomically and checks a sha256 of the tensor bytes on every read
+  (`kvlib.distributed.chunkfile`: a partial or damaged file is a miss, and is removed);
 * keeps the chunk's token ids and parent key in the metadata and compares them with the
   request, as `kvlib.paged.blocks`' prefix index does: a hash that matches only finds a
   candidate, so a collision or a file copied to the wrong name is a miss;
@@ -43,33 +41,20 @@ import errno
 import hashlib
 import json
 import os
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
 from ..cache import Cache
 from ..validate import an_int, int_at_least, positive_int
+from .chunkfile import SUFFIX, StoreError, alive, decode, encode, temp_writer, write_temp
 
 try:  # POSIX: one writer at a time makes room and renames, so the budget holds across processes
     import fcntl
 except ImportError:  # Windows: no lock, and the budget may be overshot by racing writers
     fcntl = None
-
-FORMAT = "kvlib-disk-1"
-SUFFIX = ".safetensors"
-TEMP_SUFFIX = ".tmp"
-_PIECE_BYTES = 1 << 20  # a chunk is written in pieces of this size
-
-
-class StoreError(OSError):
-    """A chunk could not be written (the disk is full, say). Nothing partial is left behind."""
-
 
 def fingerprint(model_id: str, n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> str:
     """What must be equal for two K/V to be interchangeable: the weights and the cache's shape."""
@@ -83,20 +68,6 @@ def chunk_key(parent: str | None, fp: str, tokens: Sequence[int]) -> str:
     256 tokens after another prefix hold other keys and values (attention mixed them in).
     """
     return hashlib.sha256(json.dumps([parent or "", fp, list(tokens)]).encode()).hexdigest()
-
-
-def _write_pieces(f, data: bytes) -> None:
-    """Write ``data`` to the open file ``f`` piece by piece (a test slows this down to kill a writer)."""
-    view = memoryview(data)
-    for start in range(0, len(view), _PIECE_BYTES):
-        f.write(view[start : start + _PIECE_BYTES])
-
-
-def _checksum(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.contiguous().view(torch.uint8).numpy())  # the raw bytes, any dtype (bf16 too)
-    return h.hexdigest()
 
 
 def token_list(tokens: object) -> list[int]:
@@ -241,26 +212,6 @@ class DiskStore:
             yield
 
     # -- writing ----------------------------------------------------------------------------------
-    def _encode(self, key: str, parent: str | None, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> bytes:
-        meta = {"format": FORMAT, "fingerprint": self.fingerprint, "key": key, "parent": parent or "",
-                "tokens": json.dumps(tokens), "sha256": _checksum(k, v)}
-        return st_save({"keys": k, "values": v}, metadata=meta)
-
-    def _write_temp(self, key: str, data: bytes) -> Path:
-        """``data`` in a new temp file next to the final one, on disk (fsynced) before it returns."""
-        tmp = self.root / f".{key}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-        try:
-            with open(tmp, "xb") as f:
-                _write_pieces(f, data)
-                f.flush()
-                os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        except OSError as e:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise StoreError(e.errno, f"could not write a {len(data)}-byte chunk to {self.root}: "
-                                      f"{e.strerror or e}; no partial file is left") from e
-        return tmp
-
     def _make_room(self, need: int, keep: set[str]) -> bool:
         """Delete the least recently used chunks (none in ``keep``) until ``need`` more bytes fit."""
         files = self._scan()
@@ -289,22 +240,35 @@ class DiskStore:
                 continue
             k = torch.stack([lk[0, :, i * ct : (i + 1) * ct] for lk, _ in layers]).cpu().contiguous()  # (L, H, ct, D)
             v = torch.stack([lv[0, :, i * ct : (i + 1) * ct] for _, lv in layers]).cpu().contiguous()  # (L, H, ct, D)
-            data = self._encode(key, keys[i - 1] if i else None, ids[i * ct : (i + 1) * ct], k, v)
-            if len(data) > self.budget_bytes:
-                raise StoreError(errno.EFBIG, f"a chunk file of {len(data)} bytes exceeds budget_bytes={self.budget_bytes}")
-            tmp = self._write_temp(key, data)
+            data = encode(k, v, fingerprint=self.fingerprint, key=key, parent=keys[i - 1] if i else "",
+                          tokens=json.dumps(ids[i * ct : (i + 1) * ct]))
             try:
-                with self._lock():
-                    if not self._make_room(len(data), set(keys[: i + 1])):
-                        report.no_room = len(keys) - i
-                        break
-                    os.replace(tmp, self.path(key))  # atomic: readers see the old name's file or the whole new one
-                report.written += 1
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()  # still there only if it was not renamed
+                if len(data) > self.budget_bytes:
+                    raise StoreError(errno.EFBIG, f"a chunk file of {len(data)} bytes exceeds budget_bytes={self.budget_bytes}")
+                if not self._store(key, data, keep=set(keys[: i + 1])):
+                    report.no_room = len(keys) - i
+                    break
+            except StoreError as e:
+                e.report = report  # the chunks before this one are stored, whole
+                raise
+            report.written += 1
         self._touch(keys[: report.written + report.present])
         return report
+
+    def _store(self, key: str, data: bytes, keep: set[str]) -> bool:
+        """Write one chunk file atomically, after making room; False if only chunks in ``keep`` are left."""
+        tmp = write_temp(self.root, key, data)
+        try:
+            with self._lock():
+                if not self._make_room(len(data), keep):
+                    return False
+                os.replace(tmp, self.path(key))  # atomic: readers see the old name's file or the whole new one
+            return True
+        except OSError as e:
+            raise StoreError(e.errno, f"could not store chunk {key[:12]}... in {self.root}: {e}") from e
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()  # still there only if it was not renamed
 
     def _layers(self, kv: object, n_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``kv`` as per-layer ``(k, v)``, each checked against the store's shape and ``n_tokens``."""
@@ -337,15 +301,10 @@ class DiskStore:
         except OSError:  # not stored, or evicted by another process a moment ago
             return None
         try:
-            n = int.from_bytes(data[:8], "little")  # safetensors: 8-byte header length, JSON header, raw bytes
-            meta = json.loads(data[8 : 8 + n])["__metadata__"]
-            tensors = st_load(data)
-            k, v = tensors["keys"], tensors["values"]
-            said_tokens, said_parent = json.loads(meta["tokens"]), meta["parent"]
-            whole = (meta["format"] == FORMAT and meta["fingerprint"] == self.fingerprint and meta["key"] == key
-                     and k.shape == v.shape == self.shape and k.dtype == v.dtype == self.dtype
-                     and meta["sha256"] == _checksum(k, v))
-        except Exception:  # any damage to the header or the bytes: the file is not a chunk
+            meta, k, v = decode(data)  # whole and unchanged, or ValueError
+            whole = (meta["fingerprint"] == self.fingerprint and meta["key"] == key
+                     and k.shape == v.shape == self.shape and k.dtype == v.dtype == self.dtype)
+        except ValueError:
             whole = False
         if not whole:
             self.corrupt += 1
@@ -353,7 +312,7 @@ class DiskStore:
                 if os.stat(p).st_ino == ino:  # remove the damaged file, not one a writer just put there
                     p.unlink()
             return None
-        if said_tokens != tokens or said_parent != (parent or ""):
+        if meta["tokens"] != tokens or meta["parent"] != (parent or ""):
             return None  # a whole chunk, of another prefix: a hash collision, or a file under a wrong name
         return k, v
 
@@ -392,26 +351,12 @@ class DiskStore:
         age = self.stale_temp_s if max_age_s is None else max_age_s
         removed, now = 0, time.time()
         for p in self.root.iterdir():
-            if not (p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX)):
+            pid = temp_writer(p)
+            if pid is None:
                 continue
-            try:
-                pid = int(p.name.split(".")[2])
-                old = now - p.stat().st_mtime > age
-            except (ValueError, IndexError, FileNotFoundError):
-                continue
-            if old or not _alive(pid):
-                with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                if now - p.stat().st_mtime > age or not alive(pid):
                     p.unlink()
                     removed += 1
         return removed
 
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this machine (a temp file's writer may still be writing)."""
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether it exists
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass  # it exists, owned by another user (or we cannot tell: keep its file)
-    return True

@@ -78,7 +78,7 @@ def prefill(model: Transformer, tokens: object, store: DiskStore, cache: Cache |
     try:
         stored, error = store.put(ids, cache).written, None
     except StoreError as e:
-        stored, error = 0, str(e)
+        stored, error = e.report.written if e.report else 0, str(e)
     return Served(logits, cache, prefix.n_tokens, rest.shape[1], stored, error)
 
 
