@@ -120,6 +120,7 @@ def fuzz_worker(root: str, seed: int, ops: int, budget: int, out: str, barrier) 
         if rng.random() < 0.5:
             store.put(tokens, synthetic_kv(tokens))
             counts["puts"] += 1
+            counts["max_bytes"] = max(counts.get("max_bytes", 0), store.nbytes)  # the budget holds at every moment
         else:
             got = store.lookup(tokens)
             want = synthetic_kv(tokens[: got.n_tokens])
@@ -162,6 +163,7 @@ def test_concurrent_readers_and_writers_never_see_a_wrong_chunk(tmp_path):
     assert max(r["start"] for r in results) < min(r["end"] for r in results)  # the three ran at once
     assert sum(r["wrong"] for r in results) == 0
     assert sum(r["hits"] for r in results) > 10 and sum(r["evictions"] for r in results) > 10
+    assert max(r["max_bytes"] for r in results) <= budget  # every process saw the shared budget kept
     assert not temps(root) and open_store(root).nbytes <= budget
 
 
