@@ -5,9 +5,13 @@ ask the store how many leading tokens it holds ("the number of matched tokens"),
 their K/V into the engine's cache, run the model on the rest only, and after the step
 save the new full chunks. SGLang's HiCache does the same one level down its radix tree.
 
-Whether loading pays depends on the prefix's length: recomputing it costs FLOPs that grow
-with the length (and attention with its square), loading it costs bytes read, checked and
-copied, which grow linearly. `load_vs_recompute` measures both on this machine.
+Whether loading pays depends on the prefix's length and on the machine: recomputing costs
+about ``2 * n_params`` FLOPs per token (plus attention, which grows with the length), loading
+costs the token's K/V bytes read, checksummed and copied. Their ratio, FLOPs per K/V byte, is
+set by the model; the machine sets how many FLOPs one byte of reading buys. A CPU computes
+slowly, so loading wins at every length; a GPU computes hundreds of times faster while a disk
+reads no faster, so short prefixes are cheaper to recompute there. `load_vs_recompute`
+measures both sides on the machine it runs on, and `crossover` reads where loading starts to win.
 """
 
 from __future__ import annotations
@@ -135,16 +139,18 @@ def load_vs_recompute(model: Transformer, tokens: object, lengths: Sequence[int]
     model(torch.tensor(ids[:longest], device=model.device)[None], cache, last_only=True)
     store.put(ids[:longest], cache)
     cold = hasattr(os, "posix_fadvise")
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)  # GPU work is async
     rows = []
     for n in lengths:
         prompt = torch.tensor(ids[:n], device=model.device)[None]  # (1, n)
-        recompute = timeit(lambda: model(prompt, fresh(n), last_only=True), warmup=1, repeats=repeats)["median"]
+        recompute = timeit(lambda: (model(prompt, fresh(n), last_only=True), sync()), warmup=1, repeats=repeats)["median"]
 
         def load() -> None:
             got = store.lookup(ids[:n], device=model.device)
             if got.n_tokens != n:
                 raise RuntimeError(f"the store lost a chunk during the measurement: {got.n_tokens} of {n} tokens")
             got.fill(fresh(n))
+            sync()
 
         files = [store.path(k) for k in store.keys_for(ids[:n])]
         row = {"tokens": n, "bytes": sum(os.path.getsize(p) for p in files), "recompute_s": recompute,
