@@ -9,8 +9,9 @@ Whether loading pays depends on the prefix's length and on the machine: recomput
 about ``2 * n_params`` FLOPs per token (plus attention, which grows with the length), loading
 costs the token's K/V bytes read, checksummed and copied. Their ratio, FLOPs per K/V byte, is
 set by the model; the machine sets how many FLOPs one byte of reading buys. A CPU computes
-slowly, so loading wins at every length; a GPU computes hundreds of times faster while a disk
-reads no faster, so short prefixes are cheaper to recompute there. `load_vs_recompute`
+slowly, so loading tends to win at every length; a GPU computes hundreds of times faster while
+a disk reads no faster, so there a small model's short prefix can be cheaper to recompute
+(attention's growth with the length tips long ones back to loading). `load_vs_recompute`
 measures both sides on the machine it runs on, and `crossover` reads where loading starts to win.
 """
 
