@@ -340,6 +340,8 @@ def test_bad_input_gets_a_clear_error(tmp_path):
         DiskStore(tmp_path, model_id="m", n_layer=L, n_kv_head=H, head_dim=D, chunk_tokens=0)
     with pytest.raises(TypeError, match="budget_bytes must be an int"):
         open_store(tmp_path, budget_bytes=1e6)
+    with pytest.raises(ValueError, match="stale_temp_s must be a positive number of seconds, got 0"):
+        open_store(tmp_path, stale_temp_s=0)
     store, tokens = open_store(tmp_path), rand_tokens(CT, seed=50)
     with pytest.raises(ValueError, match=r"\(T,\) or \(1, T\).*\(2, 8\)"):
         store.lookup(torch.zeros(2, 8, dtype=torch.long))

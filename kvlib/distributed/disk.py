@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from ..cache import Cache
 from ..validate import an_int, int_at_least, positive_int
 from .chunkfile import SUFFIX, StoreError, alive, decode, encode, temp_writer, write_temp
@@ -55,6 +56,7 @@ try:  # POSIX: one writer at a time makes room and renames, so the budget holds 
     import fcntl
 except ImportError:  # Windows: no lock, and the budget may be overshot by racing writers
     fcntl = None
+
 
 def fingerprint(model_id: str, n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> str:
     """What must be equal for two K/V to be interchangeable: the weights and the cache's shape."""
@@ -149,6 +151,8 @@ class DiskStore:
                              f"(2 x {n_layer} layers x {n_kv_head} heads x {chunk_tokens} tokens x {head_dim} "
                              f"x {dtype.itemsize} bytes); raise the budget or lower chunk_tokens")
         self.fingerprint = fingerprint(model_id, n_layer, n_kv_head, head_dim, dtype)
+        if isinstance(stale_temp_s, bool) or not isinstance(stale_temp_s, (int, float)) or not stale_temp_s > 0:
+            raise ValueError(f"stale_temp_s must be a positive number of seconds, got {stale_temp_s!r}")
         self.stale_temp_s = stale_temp_s
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -244,7 +248,8 @@ class DiskStore:
                           tokens=json.dumps(ids[i * ct : (i + 1) * ct]))
             try:
                 if len(data) > self.budget_bytes:
-                    raise StoreError(errno.EFBIG, f"a chunk file of {len(data)} bytes exceeds budget_bytes={self.budget_bytes}")
+                    raise StoreError(errno.EFBIG, f"a chunk file of {len(data)} bytes exceeds "
+                                                  f"budget_bytes={self.budget_bytes}")
                 if not self._store(key, data, keep=set(keys[: i + 1])):
                     report.no_room = len(keys) - i
                     break
