@@ -108,16 +108,3 @@ def temp_writer(path: Path) -> int | None:
     if not (path.name.startswith(".") and path.name.endswith(TEMP_SUFFIX)) or len(parts) != 5:
         return None
     return int(parts[2]) if parts[2].isdigit() else None
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this machine (a temp file's writer may still be writing)."""
-    if os.name == "nt":  # there os.kill(pid, 0) would terminate the process: trust only the file's age
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether it exists
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass  # it exists, owned by another user (or we cannot tell: keep its file)
-    return True

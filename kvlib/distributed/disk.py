@@ -50,7 +50,8 @@ import torch
 
 from ..cache import Cache
 from ..validate import an_int, int_at_least, positive_int
-from .chunkfile import SUFFIX, StoreError, alive, decode, encode, temp_writer, write_temp
+from .chunkfile import SUFFIX, StoreError, decode, encode, temp_writer, write_temp
+from .launch import alive
 
 try:  # POSIX: one writer at a time makes room and renames, so the budget holds across processes
     import fcntl

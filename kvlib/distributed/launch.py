@@ -46,7 +46,13 @@ class Launch:
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, counts as gone).
+
+    On Windows ``os.kill(pid, 0)`` would terminate the process, so there it answers True
+    (callers then trust a file's age or their own handles instead).
+    """
+    if os.name == "nt":
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
