@@ -1,9 +1,10 @@
 """Start a few worker processes joined in one `torch.distributed` group, and stop them.
 
 A real engine runs one process per GPU and joins them with NCCL; here each process stands
-for a GPU, and the gloo backend carries the same calls (``all_reduce``, ``send``, ``recv``)
-between processes of this machine. The API is the one NCCL serves: only the backend name
-differs.
+for a GPU, and the gloo backend carries the same ``torch.distributed`` calls (``all_reduce``,
+``send``, ``recv``) between processes of this machine. (Engines add custom all-reduce kernels
+for small messages, and move caches with RDMA libraries such as NIXL; the calls' meaning, and
+the bytes they move, are the same.)
 
 `launch` starts ``size`` processes with the ``spawn`` method (a fresh interpreter each, as
 ``torchrun`` gives), joins them through a rendezvous file in a temporary folder, runs
