@@ -23,6 +23,7 @@ book reads where vLLM is not installed (`load_record`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -60,10 +61,34 @@ def vllm_python() -> Path | None:
     return env_python(VENV, ENV_VAR)
 
 
+def vllm_checkpoint(python: Path | None = None, model_dir: Path | None = None) -> tuple[Path, Path]:
+    """vLLM's interpreter (default `vllm_python()`) and the SmolLM2 checkpoint it loads (default
+    ``smollm2-hf`` in that environment, where ``make vllm`` writes it); FileNotFoundError if either
+    is missing, naming what builds it."""
+    python = python or vllm_python()
+    if python is None:
+        raise FileNotFoundError("no vLLM environment: run `make vllm` (or set KVLIB_VLLM_PYTHON)")
+    model_dir = Path(model_dir) if model_dir is not None else Path(python).parents[1] / "smollm2-hf"
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no Hugging Face checkpoint at {model_dir}: run `make vllm`")
+    return Path(python), model_dir
+
+
+def runner_parser(prog: str, doc: str | None, tool: str, only: str, against: str) -> argparse.ArgumentParser:
+    """The command line every outside-reference runner takes: ``--python`` (``tool``'s interpreter),
+    ``--json`` (write the record), ``--against`` (a stored record) and ``--only``."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", type=Path, default=None, help=f"{tool}'s interpreter (default: .venv-{tool})")
+    ap.add_argument("--json", type=Path, default=None, help="write the record here")
+    ap.add_argument("--against", type=Path, default=None, help=against)
+    ap.add_argument("--only", nargs="*", default=None, help=only)
+    return ap
+
+
 def load_record(path: str | os.PathLike | None = None) -> dict:
     """The cross-check's stored record: its settings, each engine's results and every check."""
     return read_record(RECORD if path is None else path, "vllm crosscheck")
 
 
-__all__ = ["Check", "RECORD", "capacity_line", "compare", "env_python", "load_record", "read_record", "run", "serving", "serving_prompts",
-           "spec_prompts", "vllm_python"]
+__all__ = ["Check", "RECORD", "capacity_line", "compare", "env_python", "load_record", "read_record", "run", "runner_parser", "serving", "serving_prompts",
+           "spec_prompts", "vllm_checkpoint", "vllm_python"]

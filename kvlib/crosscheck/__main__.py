@@ -9,12 +9,10 @@ differs from the stored record (timings may differ: they are not compared).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
-from . import vllm_python
+from . import runner_parser, vllm_python
 from .driver import export, run
 from .workload import scenarios, serving_prompts, spec_prompts
 
@@ -50,12 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         export(argv[1])
         return 0
-    ap = argparse.ArgumentParser(prog="python -m kvlib.crosscheck", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", type=Path, default=None, help="vLLM's interpreter (default: .venv-vllm)")
-    ap.add_argument("--json", type=Path, default=None, help="write the record here")
-    ap.add_argument("--against", type=Path, default=None, help="a stored record the tokens and counts must match")
-    ap.add_argument("--only", nargs="*", default=None, help="scenarios to run (default: all)")
+    ap = runner_parser("python -m kvlib.crosscheck", __doc__, "vllm", only="scenarios to run (default: all)",
+                       against="a stored record the tokens and counts must match")
     args = ap.parse_args(argv)
     python = args.python or vllm_python()
     if python is None:

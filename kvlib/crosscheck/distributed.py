@@ -25,7 +25,6 @@ may move: they are not compared).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -37,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import read_record, vllm_python
+from . import read_record, runner_parser, vllm_checkpoint, vllm_python
 
 RECORD = Path(__file__).resolve().parents[1] / "data" / "vllm_distributed_cpu.json"
 ROOT = Path(__file__).resolve().parents[2]  # the checkout this kvlib is in: the child imports the same one
@@ -220,12 +219,7 @@ def run(model, text_ids: list[int], python: Path | None = None, model_dir: Path 
 
     from ..timing import threads
 
-    python = python or vllm_python()
-    if python is None:
-        raise FileNotFoundError("no vLLM environment: run `make vllm` (or set KVLIB_VLLM_PYTHON)")
-    model_dir = Path(model_dir) if model_dir is not None else Path(python).parents[1] / "smollm2-hf"
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no Hugging Face checkpoint at {model_dir}: run `make vllm`")
+    python, model_dir = vllm_checkpoint(python, model_dir)
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory() as storage:
         work = [s for s in scenarios(text_ids, storage) if not only or s["name"] in only]
@@ -273,12 +267,8 @@ def facts(record: dict, names: set[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m kvlib.crosscheck.distributed", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", type=Path, default=None, help="vLLM's interpreter (default: .venv-vllm)")
-    ap.add_argument("--json", type=Path, default=None, help="write the record here")
-    ap.add_argument("--against", type=Path, default=None, help="a stored record whose facts must not move")
-    ap.add_argument("--only", nargs="*", default=None, help="scenarios to run (default: all)")
+    ap = runner_parser("python -m kvlib.crosscheck.distributed", __doc__, "vllm",
+                       only="scenarios to run (default: all)", against="a stored record whose facts must not move")
     args = ap.parse_args(argv)
     python = args.python or vllm_python()
     if python is None:

@@ -62,14 +62,9 @@ def run(model: Transformer, scenarios: list[dict], python: Path | None = None, m
     """
     import torch
 
-    from . import vllm_python
+    from . import vllm_checkpoint
 
-    python = python or vllm_python()
-    if python is None:
-        raise FileNotFoundError("no vLLM environment: run `make vllm` (or set KVLIB_VLLM_PYTHON)")
-    model_dir = Path(model_dir) if model_dir is not None else Path(python).parents[1] / "smollm2-hf"
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no Hugging Face checkpoint at {model_dir}: run `make vllm`")
+    python, model_dir = vllm_checkpoint(python, model_dir)
 
     record = {"vllm": {}, "kvlib": {}, "scenarios": scenarios, "machine": {
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,

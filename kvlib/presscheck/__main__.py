@@ -9,11 +9,10 @@ positions, or a comparison's status, identical-head count or causes (timings are
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
+from ..crosscheck import runner_parser
 from . import kvpress_python, table
 
 
@@ -45,12 +44,8 @@ def print_table(record: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m kvlib.presscheck", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", type=Path, default=None, help="kvpress's interpreter (default: .venv-kvpress)")
-    ap.add_argument("--json", type=Path, default=None, help="write the record here")
-    ap.add_argument("--against", type=Path, default=None, help="a stored record whose facts must not move")
-    ap.add_argument("--only", nargs="*", default=None, help="presses to run (default: all)")
+    ap = runner_parser("python -m kvlib.presscheck", __doc__, "kvpress", only="presses to run (default: all)",
+                       against="a stored record whose facts must not move")
     args = ap.parse_args(argv)
     python = args.python or kvpress_python()
     if python is None:
