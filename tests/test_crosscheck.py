@@ -5,6 +5,7 @@ need only the stored record, so they run everywhere.
 """
 
 import copy
+import json
 
 import pytest
 
@@ -160,3 +161,17 @@ def test_the_command_says_how_to_get_vllm_when_there_is_none(monkeypatch, capsys
     monkeypatch.setenv("KVLIB_VLLM_PYTHON", "off")
     assert main([]) == 2
     assert "make vllm" in capsys.readouterr().err
+
+
+def test_settle_writes_the_record_and_names_what_moved(tmp_path, capsys):
+    """Every runner's last step: the record written, then compared fact by fact with the stored one."""
+    from kvlib.crosscheck import settle
+
+    stored = tmp_path / "stored.json"
+    stored.write_text(json.dumps({"tokens": [1, 2, 3], "seconds": 9.0}))
+    facts = lambda r: {"tokens": tuple(r["tokens"])}  # noqa: E731 - timings are not facts
+    failed: list[str] = []
+    settle({"tokens": [1, 2, 3], "seconds": 1.0}, tmp_path / "out" / "new.json", stored, facts, failed)
+    assert failed == [] and json.loads((tmp_path / "out" / "new.json").read_text())["seconds"] == 1.0
+    settle({"tokens": [1, 2, 4], "seconds": 9.0}, None, stored, facts, failed)
+    assert failed == ["against the stored record"] and "tokens" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from .compare import Check, capacity_line, compare
@@ -85,10 +86,27 @@ def runner_parser(prog: str, doc: str | None, tool: str, only: str, against: str
     return ap
 
 
+def settle(record: dict, json_path: Path | None, against: Path | None, facts_of, failed: list[str], *,
+           compact: bool = False) -> None:
+    """A runner's last step: write ``record`` to ``json_path`` (if given), and compare what must not
+    move, ``facts_of(record)`` (a dict), with the stored record at ``against`` (if given). Every fact
+    that moved is printed, and "against the stored record" appended to ``failed``."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(record, indent=None, separators=(",", ":")) if compact else json.dumps(record, indent=1)
+        json_path.write_text(text + "\n")
+    if against:
+        old, new = facts_of(json.loads(against.read_text())), facts_of(record)
+        moved = sorted(str(k) for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if moved:
+            print(f"differs from {against}: {moved[:10]}", file=sys.stderr)
+            failed.append("against the stored record")
+
+
 def load_record(path: str | os.PathLike | None = None) -> dict:
     """The cross-check's stored record: its settings, each engine's results and every check."""
     return read_record(RECORD if path is None else path, "vllm crosscheck")
 
 
-__all__ = ["Check", "RECORD", "capacity_line", "compare", "env_python", "load_record", "read_record", "run", "runner_parser", "serving", "serving_prompts",
+__all__ = ["Check", "RECORD", "capacity_line", "compare", "env_python", "load_record", "read_record", "run", "runner_parser", "serving", "serving_prompts", "settle",
            "spec_prompts", "vllm_checkpoint", "vllm_python"]

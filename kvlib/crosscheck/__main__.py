@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from . import runner_parser, vllm_python
+from . import runner_parser, settle, vllm_python
 from .driver import export, run
 from .workload import scenarios, serving_prompts, spec_prompts
 
@@ -69,18 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     for c in checks:
         print(f"[{c.status:6s}] {c.name}: vLLM {c.vllm} | kvlib {c.kvlib}\n          {c.detail}")
     failed = [c.name for c in checks if c.status == "fail"]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
-    if args.against:
-        skip = refused(record)  # vLLM ran none of it here: the record's results for it cannot be compared
-        if skip:
-            print(f"vLLM refused {sorted(skip)} on this machine: not compared with {args.against}")
-        old, new = _facts(json.loads(args.against.read_text()), skip), _facts(record, skip)
-        moved = sorted(str(k) for k in set(old) | set(new) if old.get(k) != new.get(k))
-        if moved:
-            print(f"differs from {args.against}: {moved[:10]}", file=sys.stderr)
-            failed.append("against the stored record")
+    skip = refused(record)  # vLLM ran none of it here: the record's results for it cannot be compared
+    if args.against and skip:
+        print(f"vLLM refused {sorted(skip)} on this machine: not compared with {args.against}")
+    settle(record, args.json, args.against, lambda r: _facts(r, skip), failed)
     print(f"{len(checks)} checks, {len(failed)} failed, in {record['seconds']:.0f} s")
     return 1 if failed else 0
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import read_record, runner_parser, vllm_checkpoint, vllm_python
+from . import read_record, runner_parser, settle, vllm_checkpoint, vllm_python
 
 RECORD = Path(__file__).resolve().parents[1] / "data" / "vllm_distributed_cpu.json"
 ROOT = Path(__file__).resolve().parents[2]  # the checkout this kvlib is in: the child imports the same one
@@ -284,16 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in record["checks"]:
         print(f"[{c['status']:6s}] {c['name']}: {c['detail'][:200]}")
     failed = [c["name"] for c in record["checks"] if c["status"] == "fail"]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
-    if args.against:
-        ran = set(record["vllm"])  # with --only, the others are not compared
-        old, new = facts(json.loads(args.against.read_text()), ran), facts(record, ran)
-        moved = sorted(str(k) for k in set(old) | set(new) if old.get(k) != new.get(k))
-        if moved:
-            print(f"differs from {args.against}: {moved[:10]}", file=sys.stderr)
-            failed.append("against the stored record")
+    ran = set(record["vllm"])  # with --only, the others are not compared
+    settle(record, args.json, args.against, lambda r: facts(r, ran), failed)
     print(f"{len(record['checks'])} checks, {len(failed)} failed, in {record['seconds']:.0f} s")
     return 1 if failed else 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..crosscheck import runner_parser
+from ..crosscheck import runner_parser, settle
 from . import kvpress_python, table
 
 
@@ -64,15 +64,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{res['decode_seconds']:5.2f} s")
     print_table(record)
     failed = [f"{c['side']} {c['run']}" for c in record["comparisons"] if c["status"] == "fail"]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=None, separators=(",", ":")) + "\n")
-    if args.against:
-        old, new = facts(json.loads(args.against.read_text())), facts(record)
-        moved = sorted(str(k) for k in set(old) | set(new) if old.get(k) != new.get(k))
-        if moved:
-            print(f"differs from {args.against}: {moved[:10]}", file=sys.stderr)
-            failed.append("against the stored record")
+    settle(record, args.json, args.against, facts, failed, compact=True)
     print(f"{len(record['comparisons'])} comparisons, {len(failed)} failed: {failed}, in {record['seconds']:.0f} s")
     return 1 if failed else 0
 
