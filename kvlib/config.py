@@ -102,6 +102,7 @@ class ModelConfig:
 
 
 # Real shapes. Each entry names the file its numbers were read from.
+#: Named model shapes (``PRESETS["smollm2-135m"]``, ``PRESETS["tiny"]``, ...), each with its source.
 PRESETS: dict[str, ModelConfig] = {
     # openai-community/gpt2 config.json (n_embd, n_layer, n_head, n_positions, n_inner=4*n_embd).
     # GPT-2 uses LayerNorm, GELU and learned positions: kvlib uses it for memory math only.

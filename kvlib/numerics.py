@@ -108,11 +108,11 @@ def paged(model: Transformer, ids: torch.Tensor, start: int = 0, block_size: int
 class Drift:
     """How far ``other`` logits are from ``reference`` ones, and what that does to greedy tokens.
 
-    max_diff: the largest ``|reference - other|`` over every position and vocabulary entry.
-    near_ties: positions whose reference top-1 minus top-2 margin is below ``2 * max_diff``,
-        where a difference that large *could* flip the greedy token (each of the two logits
-        may move by up to ``max_diff``, in opposite directions).
-    flips: positions where the two argmaxes differ; first_flip the first (None: none).
+    - max_diff: the largest ``|reference - other|`` over every position and vocabulary entry.
+    - near_ties: positions whose reference top-1 minus top-2 margin is below ``2 * max_diff``,
+      where a difference that large *could* flip the greedy token (each of the two logits
+      may move by up to ``max_diff``, in opposite directions).
+    - flips: positions where the two argmaxes differ; first_flip the first (None: none).
     """
 
     positions: int

@@ -242,3 +242,24 @@ def test_the_download_menu_says_what_it_gives(doc):
     html = built(doc)
     assert NOTEBOOK_LABEL in html and PRINT_LABEL in html
     assert not re.search(r'btn__text-container">\.(ipynb|pdf)<', html), "a bare .ipynb or .pdf label"
+
+
+@pytest.mark.parametrize("doc", ["book/ch09_paging", "book/ch13_beyond_one_machine"])
+def test_a_chapters_kvlib_name_opens_its_reference_entry(server, browser, doc):
+    """In Chromium: the first linked kvlib name of a chapter opens the reference page at its
+    entry, and that entry names the chapter among those that teach it."""
+    page = browser.new_page(viewport=DESKTOP)
+    page.goto(f"{server}/{doc}.html", wait_until="load")
+    links = page.locator("a.kvlib-api")
+    assert links.count() > 5, f"{doc} links only {links.count()} kvlib names to the reference"
+    target = links.first.get_attribute("title")  # the full name, e.g. kvlib.paged
+    links.first.click()
+    page.wait_for_load_state("load")
+    anchor = urlparse(page.url).fragment
+    assert "/book/api/" in page.url and anchor, page.url
+    entry = page.locator(f"[id='{anchor}']")
+    assert entry.count() == 1 and entry.is_visible(), f"{target}: no visible entry #{anchor} on {page.url}"
+    taught = page.locator("p.kvlib-taught a")
+    assert any(doc.split("/")[-1] in (taught.nth(i).get_attribute("href") or "") for i in range(taught.count())), \
+        f"the reference does not list {doc} among the chapters that teach its names"
+    page.close()

@@ -17,6 +17,7 @@ import torch
 
 from ..pretrained import Tokenizer
 
+#: The prompt the benchmark decodes after.
 PROMPT_TEXT = (
     "The printing press changed Europe in ways its inventor could not have foreseen. Before Gutenberg, "
     "a book was copied by hand, one page at a time, and a large library held a few hundred volumes. "
@@ -45,7 +46,9 @@ class Plan:
     serving: bool = True  # (l) serve the vLLM cross-check's requests through the Engine
 
 
+#: The book's run.
 FULL = Plan(64, (32, 64, 128, 256), (64, 256, 1024), 64, 3, 1, 20, 20)
+#: A smoke test.
 QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 5, 64, 512, (2, 4), (256, 512), False)
 
 

@@ -36,6 +36,7 @@ from ..pretrained import load_smollm2
 from ..wquant import quantize_weights, stored_bytes
 from .roofline import kernel_sweep
 
+#: The second batch size every model's step is timed at.
 BATCH = 8  # the second batch size every model's step is timed at
 
 

@@ -31,8 +31,11 @@ from .plan import Plan
 
 MATRIX_LAYERS = (Linear, PackedLinear, Int8Linear, Int4Linear)  # what kernel_sweep times
 
+#: The side of the large square matrix the bandwidth probe multiplies.
 MATVEC_BIG = 8192  # a square fp32 matrix of 256 MiB: larger than most CPUs' last-level cache (not all)
+#: A SmolLM2-sized ``(in, out)`` matrix...
 MATVEC_SMALL = (576, 1728)  # a SmolLM2-sized (in, out) matrix...
+#: ...in this many distinct copies, so that they do not sit in cache.
 MATVEC_COUNT = 60  # ...times 60 distinct copies, so that they do not sit in cache
 
 

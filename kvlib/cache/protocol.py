@@ -29,6 +29,7 @@ import torch
 
 from ..validate import positive_int
 
+#: The legacy cache format: one ``(keys, values)`` pair per layer, as old Hugging Face code passes it.
 Legacy = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # ((k_0, v_0), (k_1, v_1), ...)
 
 

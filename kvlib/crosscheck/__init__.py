@@ -33,6 +33,7 @@ from .compare import Check, capacity_line, compare
 from .driver import run
 from .workload import serving, serving_prompts, spec_prompts
 
+#: The stored cross-check record, read where vLLM is not installed (`load_record`).
 RECORD = Path(__file__).resolve().parents[1] / "data" / "vllm_cpu.json"
 VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"  # where `make vllm` puts it, beside kvlib/
 ENV_VAR = "KVLIB_VLLM_PYTHON"  # a path to another vLLM interpreter, or "off"

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from . import read_record, runner_parser, settle, vllm_checkpoint, vllm_python
 
+#: The stored distcheck record, read where vLLM is not installed (`load_record`).
 RECORD = Path(__file__).resolve().parents[1] / "data" / "vllm_distributed_cpu.json"
 ROOT = Path(__file__).resolve().parents[2]  # the checkout this kvlib is in: the child imports the same one
 NEW_TOKENS = 16

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..crosscheck import env_python, read_record
 
+#: The stored presscheck record, read where kvpress is not installed (`load_record`).
 RECORD = Path(__file__).resolve().parents[1] / "data" / "kvpress_cpu.json"
 VENV = Path(__file__).resolve().parents[2] / ".venv-kvpress"  # where `make kvpress` puts it, beside kvlib/
 ENV_VAR = "KVLIB_KVPRESS_PYTHON"  # a path to another kvpress interpreter, or "off"

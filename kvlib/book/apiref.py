@@ -1,0 +1,272 @@
+"""kvlib's reference on the website: pages built from its docstrings, linked to the chapters.
+
+``python -m kvlib.book.apiref book/api`` writes one MyST page per group of modules, in the
+order the chapters meet them, each module rendered by Sphinx's autodoc from its own
+docstrings (`GROUPS`). The pages are committed; ``tests/test_apiref.py`` checks that every
+kvlib module is on exactly one page and that the pages are what this module writes.
+
+As a Sphinx extension (``kvlib.book.apiref`` in ``_config.yml``) it links both ways:
+
+* in a chapter, the first inline-code mention of a public kvlib name (```kvlib.generate```,
+  ```PagedCache.step```, ```tp.plan```) becomes a link to that name's reference entry;
+* each reference entry lists the chapters that mention it ("Taught in").
+
+A name is linked only when it resolves to one documented object: a full dotted name, a
+top-level ``kvlib.X``, a module-relative ``module.X``, or a bare name or ``Class.method``
+that no other documented object shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import pkgutil
+import re
+import sys
+from pathlib import Path
+
+# (slug, title, chapters that teach it, modules, one line on what the page holds)
+GROUPS = [
+    ("model", "The model and its caches", ["ch01_naive", "ch02_prefill_decode", "ch02b_numerics",
+                                            "ch03_where_cache_lives"],
+     ["kvlib", "kvlib.config", "kvlib.model", "kvlib.attention", "kvlib.generate", "kvlib.sampling",
+      "kvlib.cache", "kvlib.cache.protocol", "kvlib.cache.dynamic", "kvlib.cache.static", "kvlib.check",
+      "kvlib.numerics", "kvlib.invariant", "kvlib.pretrained", "kvlib.hf", "kvlib.data", "kvlib.chat"],
+     "the decoder, the generation loops, the cache protocol and its two plain caches, and the checks"),
+    ("sizes", "Sizes, costs and hardware", ["ch04_how_big", "ch05_step_time"],
+     ["kvlib.memory", "kvlib.cost", "kvlib.hardware"],
+     "how many bytes a cache takes, what a step costs, and what a machine can do"),
+    ("batches", "Batches", ["ch06_padding"], ["kvlib.padding"],
+     "prompts of different lengths in one batch"),
+    ("sharing", "Sharing and quantizing the cache", ["ch07_sharing_kv", "ch07b_layer_shapes",
+                                                      "ch08_quantization"],
+     ["kvlib.gqa", "kvlib.mla", "kvlib.layers", "kvlib.hybrid", "kvlib.quant", "kvlib.wquant"],
+     "fewer KV heads, latent caches, layers that keep less, and fewer bits per number"),
+    ("paging", "Paging and the engine", ["ch09_paging", "ch12_serving"],
+     ["kvlib.paged", "kvlib.paged.blocks", "kvlib.paged.cache", "kvlib.paged.batch", "kvlib.paged.hybrid",
+      "kvlib.paged.kernel", "kvlib.simulate", "kvlib.scheduler", "kvlib.engine", "kvlib.radix"],
+     "blocks, block tables, prefix caching, and the engine that schedules them"),
+    ("long", "Long contexts", ["ch10_long_context", "ch10b_compression"],
+     ["kvlib.evict", "kvlib.press", "kvlib.needle", "kvlib.evaluate", "kvlib.presscheck",
+      "kvlib.presscheck.reference", "kvlib.presscheck.workload", "kvlib.presscheck.driver",
+      "kvlib.presscheck.compare", "kvlib.presscheck.kvlib_side", "kvlib.presscheck.kvpress_side"],
+     "caches under a budget, prompt compression, and the check against NVIDIA's kvpress"),
+    ("speed", "Decoding fast", ["ch05_step_time", "ch11_decode_fast"],
+     ["kvlib.kernels", "kvlib.native", "kvlib.prepack", "kvlib.packed", "kvlib.timing", "kvlib.bench",
+      "kvlib.bench.plan", "kvlib.bench.generation", "kvlib.bench.huggingface", "kvlib.bench.roofline",
+      "kvlib.bench.precision", "kvlib.bench.split_kv", "kvlib.bench.compiled", "kvlib.bench.invariant",
+      "kvlib.bench.serving", "kvlib.bench.report", "kvlib.bench.cli"],
+     "the kernels, the packed weights, timing, and the benchmark"),
+    ("serving", "Serving", ["ch12_serving"],
+     ["kvlib.speculative", "kvlib.crosscheck", "kvlib.crosscheck.workload", "kvlib.crosscheck.driver",
+      "kvlib.crosscheck.compare", "kvlib.crosscheck.kvlib_side", "kvlib.crosscheck.vllm_side"],
+     "speculative decoding, and vLLM run beside kvlib"),
+    ("distributed", "Beyond one machine", ["ch13_beyond_one_machine"],
+     ["kvlib.distributed", "kvlib.distributed.launch", "kvlib.distributed.tp", "kvlib.distributed.disagg",
+      "kvlib.distributed.disk", "kvlib.distributed.chunkfile", "kvlib.distributed.tiered",
+      "kvlib.distributed.cluster", "kvlib.crosscheck.distributed", "kvlib.crosscheck.vllm_distributed"],
+     "tensor parallelism, disaggregated prefill and decode, a disk tier, and the cluster's arithmetic"),
+    ("support", "Book support and validation", [],
+     ["kvlib.validate", "kvlib.book", "kvlib.book.plot", "kvlib.book.diagrams", "kvlib.book.explorer",
+      "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.apiref"],
+     "the checks behind kvlib's clear errors, and what builds this book"),
+]
+
+
+def all_modules() -> list[str]:
+    """Every kvlib module and package (``__main__`` entry points aside)."""
+    import kvlib
+
+    found = ["kvlib"] + [m.name for m in pkgutil.walk_packages(kvlib.__path__, "kvlib.")]
+    return sorted(n for n in found if not n.endswith("__main__"))
+
+
+def reexports(name: str) -> list[str]:
+    """Names in module ``name``'s ``__all__`` defined elsewhere: documented where they are defined."""
+    mod = importlib.import_module(name)
+    out = []
+    for attr in getattr(mod, "__all__", []):
+        obj = getattr(mod, attr, None)
+        if isinstance(obj, type(sys)):
+            defined = obj.__name__ == name
+        elif isinstance(obj, type) or inspect.isroutine(obj):
+            defined = obj.__module__ == name
+        else:  # data: a number, a dict, a path; documented where it is listed
+            defined = True
+        if not defined:
+            out.append(attr)
+    return out
+
+
+def page(slug: str, title: str, chapters: list[str], modules: list[str], blurb: str) -> str:
+    taught = ", ".join(f"{{doc}}`../{c}`" for c in chapters)
+    lines = [f"(api-{slug})=", f"# {title}", "",
+             f"The reference for {blurb}, rendered from kvlib's docstrings."
+             + (f" The chapters that teach it: {taught}." if chapters else ""),
+             "Each entry lists the chapters that mention it."]
+    for name in modules:
+        mod = importlib.import_module(name)
+        options = ["   :members:", "   :undoc-members:", "   :show-inheritance:"]
+        skip = reexports(name)  # a package's names from its modules: documented there
+        if skip:
+            options.append(f"   :exclude-members: {', '.join(skip)}")
+        lines += ["", f"## `{name}`", "", "```{eval-rst}", f".. automodule:: {name}", *options, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def index() -> str:
+    rows = "\n".join(f"| {{doc}}`{slug}` | {blurb} |" for slug, _, _, _, blurb in GROUPS)
+    return ("(api)=\n# kvlib reference\n\n"
+            "Every public name of kvlib, from its own docstrings, grouped as the chapters meet them. "
+            "A chapter links the first mention of each name here; each entry lists the chapters that "
+            "mention it.\n\n| page | what it holds |\n| --- | --- |\n" + rows + "\n")
+
+
+def pages() -> dict[str, str]:
+    """Every reference page, by file name."""
+    out = {"index.md": index()}
+    for slug, title, chapters, modules, blurb in GROUPS:
+        out[f"{slug}.md"] = page(slug, title, chapters, modules, blurb)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kvlib.book.apiref", description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path, help="the folder for the pages (book/api)")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, text in pages().items():
+        (args.out / name).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out / name}")
+
+
+# -- the Sphinx extension: chapters link to entries, entries list chapters ---------------------------
+NAME = re.compile(r"^([A-Za-z_][\w.]*)(\(.*\))?$")
+
+
+def _aliases(objects: dict) -> dict[str, str]:
+    """Every way a chapter may write a documented name -> its full name (ambiguous forms dropped)."""
+    import kvlib
+
+    counts: dict[str, set[str]] = {}
+
+    def add(alias: str, full: str) -> None:
+        counts.setdefault(alias, set()).add(full)
+
+    for full, entry in objects.items():
+        if not full.startswith("kvlib.") or entry.objtype == "module":
+            add(full, full)  # a module only by its full name: "cache" or "model" is a variable
+            continue
+        parts = full.split(".")
+        add(full, full)
+        for i in range(1, len(parts) - 1):  # "memory.kv_cache_bytes", "tp.plan", "PagedCache.step"
+            if i < len(parts) - 1:
+                add(".".join(parts[i:]), full)
+        if entry.objtype in ("class", "function", "exception"):  # "check_cache", "PagedCache"
+            add(parts[-1], full)
+    for name in getattr(kvlib, "__all__", []):  # kvlib.generate is kvlib.generate.generate
+        obj = getattr(kvlib, name, None)
+        home = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', name)}"
+        if home in objects:
+            counts[f"kvlib.{name}"] = {home}
+            counts.setdefault(name, set()).add(home)
+    return {alias: next(iter(fulls)) for alias, fulls in counts.items() if len(fulls) == 1}
+
+
+def _chapter(docname: str) -> bool:
+    return docname.startswith("book/ch")
+
+
+def _mentions(doctree, aliases: dict[str, str]):
+    """(literal node, full name) for each inline-code mention that resolves, in document order."""
+    from docutils import nodes
+
+    for lit in doctree.findall(nodes.literal):
+        if isinstance(lit.parent, nodes.reference):
+            continue
+        m = NAME.match(lit.astext().strip())
+        if m and m.group(1) in aliases:
+            yield lit, aliases[m.group(1)]
+
+
+def collect(app, env) -> None:
+    """After reading: which chapters mention which documented name (kept on ``env`` for this build)."""
+    objects = env.get_domain("py").objects
+    env.kvlib_aliases = _aliases(objects)
+    taught: dict[str, list[str]] = {}
+    for docname in sorted(env.found_docs):
+        if _chapter(docname):
+            for _, full in _mentions(env.get_doctree(docname), env.kvlib_aliases):
+                if docname not in taught.setdefault(full, []):
+                    taught[full].append(docname)
+    env.kvlib_taught = taught
+
+
+def forget(app, env, docnames) -> None:
+    """A new build: what the last one collected may be stale."""
+    env.kvlib_taught = env.kvlib_aliases = None
+
+
+def link(app, doctree, docname: str) -> None:
+    """Chapters: the first mention of each name links to its entry. Reference pages: "Taught in"."""
+    from docutils import nodes
+    from sphinx import addnodes
+
+    env = app.builder.env
+    objects = env.get_domain("py").objects
+    if getattr(env, "kvlib_taught", None) is None:  # a build that read nothing new skips collect()
+        collect(app, env)
+    if _chapter(docname):
+        seen: set[str] = set()
+        for lit, full in list(_mentions(doctree, env.kvlib_aliases)):
+            if full in seen:
+                continue
+            seen.add(full)
+            entry = objects[full]
+            uri = app.builder.get_relative_uri(docname, entry.docname) + "#" + entry.node_id
+            ref = nodes.reference("", "", internal=True, refuri=uri, reftitle=full, classes=["kvlib-api"])
+            lit.replace_self(ref)
+            ref += lit
+    elif docname.startswith("book/api/"):
+        taught = getattr(env, "kvlib_taught", {})
+        for desc in doctree.findall(addnodes.desc):
+            sig = next(iter(desc.findall(addnodes.desc_signature)), None)
+            full = sig.get("fullname") and f"{sig.get('module')}.{sig.get('fullname')}" if sig else None
+            if not full or full not in taught:
+                continue
+            para = nodes.paragraph("", "Taught in: ", classes=["kvlib-taught"])
+            for i, chapter in enumerate(taught[full]):
+                if i:
+                    para += nodes.Text(", ")
+                uri = app.builder.get_relative_uri(docname, chapter)
+                para += nodes.reference("", env.titles[chapter].astext(), internal=True, refuri=uri)
+            content = next(iter(desc.findall(addnodes.desc_content)))
+            content.insert(0, para)
+
+
+def configure(app, config) -> None:
+    """autodoc as the reference wants it, and nitpicky silence for names outside kvlib."""
+    config.autodoc_typehints = "signature"
+    config.autodoc_member_order = "bysource"
+    config.nitpick_ignore_regex = list(config.nitpick_ignore_regex) + [
+        ("py:class", r"(torch|nn|np|numpy|typing|collections|pathlib|os|datetime|contextlib|argparse|queue|"
+                     r"threading|multiprocessing|dataclasses|enum|re|io|subprocess|docutils|sphinx|matplotlib)"
+                     r"\..*"),
+        ("py:class", r"(Tensor|Path|Callable|Sequence|Iterator|Iterable|Module|Generator|Mapping|T)"),
+        ("py:class", r"(abc\.ABC|ipywidgets\..*)"),  # bases from outside kvlib
+        ("py:class", r"kvlib\..*\._\w+"),  # a private base class: not part of the reference
+    ]
+
+
+def setup(app) -> dict:
+    app.setup_extension("sphinx.ext.autodoc")
+    app.connect("config-inited", configure)
+    app.connect("env-check-consistency", collect)
+    app.connect("env-before-read-docs", forget)
+    app.connect("doctree-resolved", link)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
+
+
+if __name__ == "__main__":
+    main()
