@@ -206,7 +206,8 @@ def stream(
 
     Example
 
-    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"]); model.reset_parameters(seed=0, std=0.2)
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)  # sharp logits: no near ties
     >>> new = list(kvlib.stream(model, [1, 2, 3], 5))  # five ints, one per step
     >>> len(new), new == kvlib.generate(model, [1, 2, 3], 5)[0, 3:].tolist()
     (5, True)
@@ -256,7 +257,8 @@ def generate(
 
     Example
 
-    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"]); model.reset_parameters(seed=0, std=0.2)
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)  # sharp logits: no near ties
     >>> out = kvlib.generate(model, [1, 2, 3], max_new_tokens=5)
     >>> out.shape, out[0, :3].tolist()  # the prompt, then 5 new tokens
     (torch.Size([1, 8]), [1, 2, 3])
@@ -295,7 +297,8 @@ def generate_naive(
 
     Example
 
-    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"]); model.reset_parameters(seed=0, std=0.2)
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)  # sharp logits: no near ties
     >>> slow = kvlib.generate_naive(model, [1, 2, 3], max_new_tokens=5)
     >>> torch.equal(slow, kvlib.generate(model, [1, 2, 3], max_new_tokens=5))  # the cache changes no token
     True

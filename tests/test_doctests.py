@@ -31,7 +31,11 @@ LEARNER_FACING = (
     "kvlib.ModelConfig", "kvlib.Transformer", "kvlib.generate", "kvlib.generate_naive", "kvlib.stream",
     "kvlib.DynamicCache", "kvlib.StaticCache", "kvlib.PaddedBatch", "kvlib.PagedCache", "kvlib.PagedCache.step",
     "kvlib.check.check_cache", "kvlib.memory.kv_cache_bytes", "kvlib.memory.max_tokens", "kvlib.memory.max_batch",
-    "kvlib.cost.step_flops", "kvlib.hardware.step_time",
+    "kvlib.cost.step_flops", "kvlib.hardware.step_time", "kvlib.quant.QuantizedCache", "kvlib.quant.FP8Cache",
+    "kvlib.gqa.convert_kv_heads", "kvlib.evict.WindowCache", "kvlib.evict.SinkCache", "kvlib.evict.H2OCache",
+    "kvlib.press.prefill", "kvlib.speculative.speculative_generate", "kvlib.Engine", "kvlib.radix.RadixCache",
+    "kvlib.layers.LayerKind", "kvlib.hybrid.HybridCache", "kvlib.distributed.tp.plan",
+    "kvlib.distributed.cluster.transfer_time", "kvlib.distributed.disk.DiskStore",
 )
 
 
@@ -81,8 +85,11 @@ def test_docstring_examples_run(test: doctest.DocTest):
 
 def resolve(path: str):
     """``"kvlib.memory.max_tokens"`` -> the object, reached attribute by attribute as a reader would."""
+    parts = path.split(".")
     obj = kvlib
-    for part in path.split(".")[1:]:
+    for i, part in enumerate(parts[1:], 1):
+        if not hasattr(obj, part):  # a subpackage's module that its package does not import (kvlib.distributed.tp)
+            importlib.import_module(".".join(parts[: i + 1]))
         obj = getattr(obj, part)
     return obj
 
