@@ -26,13 +26,32 @@ def prefill(model: Transformer, tokens: torch.Tensor, cache: Cache) -> torch.Ten
     """Run the whole prompt ``(B, T)`` through the model at once, filling ``cache``.
 
     Returns the logits for the next token, ``(B, vocab)``.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.DynamicCache(model.config.n_layer)
+    >>> kvlib.prefill(model, torch.tensor([[1, 2, 3]]), cache).shape, cache.seq_len
+    (torch.Size([1, 128]), 3)
     """
     return model(tokens, cache, last_only=True)[:, -1]
 
 
 @torch.inference_mode()
 def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """Feed one new token per sequence ``(B,)`` or ``(B, 1)``; returns next logits ``(B, vocab)``."""
+    """Feed one new token per sequence ``(B,)`` or ``(B, 1)``; returns next logits ``(B, vocab)``.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)
+    >>> cache = kvlib.DynamicCache(model.config.n_layer)
+    >>> new = [kvlib.prefill(model, torch.tensor([[1, 2, 3]]), cache).argmax(-1)]  # greedy, by hand
+    >>> for _ in range(4):
+    ...     new.append(kvlib.decode_step(model, new[-1], cache).argmax(-1))
+    >>> torch.cat(new).tolist() == kvlib.generate(model, [1, 2, 3], 5)[0, 3:].tolist()
+    True
+    """
     if token.dim() == 1:
         token = token[:, None]  # (B, 1)
     return model(token, cache, last_only=True)[:, -1]

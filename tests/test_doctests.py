@@ -28,7 +28,8 @@ OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 # The public names a learner calls directly, by the path a chapter uses: each carries an example.
 LEARNER_FACING = (
-    "kvlib.ModelConfig", "kvlib.Transformer", "kvlib.generate", "kvlib.generate_naive", "kvlib.stream",
+    "kvlib.ModelConfig", "kvlib.Transformer", "kvlib.prefill", "kvlib.decode_step", "kvlib.SamplingParams",
+    "kvlib.generate", "kvlib.generate_naive", "kvlib.stream",
     "kvlib.DynamicCache", "kvlib.StaticCache", "kvlib.PaddedBatch", "kvlib.PagedCache", "kvlib.PagedCache.step",
     "kvlib.check.check_cache", "kvlib.memory.kv_cache_bytes", "kvlib.memory.max_tokens", "kvlib.memory.max_batch",
     "kvlib.cost.step_flops", "kvlib.hardware.step_time", "kvlib.quant.QuantizedCache", "kvlib.quant.FP8Cache",
