@@ -27,7 +27,7 @@ class SamplingParams:
     max_new_tokens: how many tokens to generate at most (None: the caller must say).
     temperature: 0 for greedy; larger flattens the distribution.
     top_k, top_p: keep only the ``top_k`` most likely tokens / the smallest set
-        reaching probability ``top_p``. None turns a cut off.
+    reaching probability ``top_p``. None turns a cut off.
     stop: token ids that end a sequence (the stop token is emitted, then it ends).
     seed, generator: where the randomness comes from; give at most one.
 

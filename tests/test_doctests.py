@@ -109,3 +109,17 @@ def test_every_listed_example_is_collected():
         obj = resolve(path)
         qualname = f"{obj.__module__}.{obj.__qualname__}"
         assert qualname in collected, f"{path} ({qualname}) has an example that no test runs"
+
+
+@pytest.mark.parametrize("path", LEARNER_FACING)
+def test_docstrings_with_examples_are_valid_restructuredtext(path: str):
+    """Sphinx renders these docstrings (and builds with -W): an example must not break the markup."""
+    import inspect
+    import io
+
+    docutils_core = pytest.importorskip("docutils.core")
+    warnings = io.StringIO()
+    tree = docutils_core.publish_doctree(inspect.getdoc(resolve(path)), settings_overrides={
+        "report_level": 2, "halt_level": 5, "warning_stream": warnings})
+    assert not warnings.getvalue(), f"{path}'s docstring is not clean reStructuredText:\n{warnings.getvalue()}"
+    assert any(node.tagname == "doctest_block" for node in tree.findall()), f"{path}: no doctest block rendered"
