@@ -312,6 +312,15 @@ def check_cache(make: Factory, *, verbose: bool = False, not_applicable: dict[st
     A cache that by design breaks a property (one that evicts does not return "everything
     so far") declares it: ``not_applicable={"update": "it evicts"}``, by property name.
     Declared properties are not run, and the summary line names them with their reasons.
+
+    Example
+
+    >>> def make(n_layer, batch, n_kv_head, head_dim, dtype):
+    ...     return kvlib.DynamicCache(n_layer)
+    >>> names = kvlib.check.check_cache(make, verbose=True)
+    ok  DynamicCache: all 10 properties hold (update, layers independent, ...)
+    >>> len(names)
+    10
     """
     if not callable(make):
         raise TypeError(f"check_cache takes a factory function, got {type(make).__name__}")

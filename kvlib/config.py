@@ -23,6 +23,19 @@ FAMILIES = ("llama", "gpt2", "shapes")
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The integers that size a transformer and its cache, checked when it is made.
+
+    Example
+
+    >>> cfg = kvlib.PRESETS["tiny"]
+    >>> cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    (2, 4, 2, 16)
+    >>> cfg.n_rep  # query heads per KV head: GQA
+    2
+    >>> cfg.replace(n_kv_head=1).n_rep  # a copy, checked again: MQA
+    4
+    """
+
     n_layer: int  # number of transformer blocks
     n_head: int  # query heads per block
     n_kv_head: int  # key/value heads: == n_head is MHA, 1 is MQA, between is GQA

@@ -161,6 +161,15 @@ def step_flops(config: ModelConfig, batch: int, context: int, new_tokens: int = 
     as `kvlib.generate` computes). ``attention``: scores and the weighted sum, new token
     ``i`` seeing ``context + i + 1`` keys. Their sum equals `cached_flops` and
     `flops_per_token` where those count the same positions.
+
+    Example
+
+    >>> cfg = kvlib.PRESETS["tiny"]
+    >>> kvlib.cost.step_flops(cfg, batch=1, context=10)  # one decode token after 10 cached
+    {'matmul': 163840, 'attention': 5632, 'total': 169472}
+    >>> f = kvlib.cost.step_flops(cfg, batch=1, context=0, new_tokens=10)  # a 10-token prefill
+    >>> f["total"] == kvlib.cost.cached_flops(cfg, prompt_len=10, new_tokens=1)  # its first token
+    True
     """
     _check_step(config, batch, context, new_tokens)
     body = 2 * memory.matrix_params(config, lm_head=False)

@@ -67,6 +67,16 @@ class Engine:
     decode tokens alone never use it up: with fewer, the oldest running sequences decode
     and the rest wait a step, and no prompt is admitted meanwhile. A prompt may take
     several steps to prefill; the tokens are the same either way.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)
+    >>> engine = kvlib.Engine(model, kvlib.PagedCache.for_model(model.config, num_blocks=16, block_size=4))
+    >>> a, b = engine.add([1, 2, 3], max_new_tokens=4), engine.add([4, 5], max_new_tokens=4)
+    >>> out = engine.run()  # {request id: [tokens of each sample]}
+    >>> out[a][0] == kvlib.generate(model, [1, 2, 3], 4)[0, 3:].tolist()  # as if it ran alone
+    True
     """
 
     def __init__(

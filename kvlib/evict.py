@@ -119,6 +119,15 @@ class WindowCache(_Budgeted):
     and attention does not care about the order of the keys it sums over, so the ring is
     returned as it lies. A chunk of several tokens needs its keys in order for the causal
     mask, so it unrolls the ring once (one copy per chunk, not per token).
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.evict.WindowCache(model.config.n_layer, window=8)
+    >>> kvlib.generate(model, [1, 2, 3], 20, cache=cache).shape
+    torch.Size([1, 23])
+    >>> cache.seq_len, cache.nbytes  # 8 tokens held: 2 x 2 layers x 2 heads x 8 x 16 dims x 4 bytes
+    (8, 4096)
     """
 
     def __init__(self, n_layer: int, window: int) -> None:
@@ -200,6 +209,15 @@ class SinkCache(_Budgeted):
     on eviction (``window`` keys per step) rather than store unrotated keys and rotate
     every key at every read (``n_sink + window`` keys per step, and a model that applies
     RoPE after the cache). Hugging Face's former ``SinkCache`` made the same choice.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.evict.SinkCache(model.config.n_layer, n_sink=4, window=8, rope_base=model.config.rope_base)
+    >>> kvlib.generate(model, [1, 2, 3], 20, cache=cache).shape
+    torch.Size([1, 23])
+    >>> cache.seq_len  # the 4 sinks and the 8 most recent
+    12
     """
 
     def __init__(self, n_layer: int, n_sink: int, window: int, rope_base: float) -> None:
@@ -266,6 +284,14 @@ class H2OCache(_Budgeted):
     must use: ``model.set_attention_impl(cache.attention)``. An update that has to evict
     without them raises ``ValueError``. Choices are per KV head, as in the paper's code,
     and positions stay absolute.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.evict.H2OCache(model.config.n_layer, heavy=4, recent=4)
+    >>> model.set_attention_impl(cache.attention)  # the cache sees the attention weights
+    >>> kvlib.generate(model, [1, 2, 3], 20, cache=cache).shape, cache.seq_len
+    (torch.Size([1, 23]), 8)
     """
 
     beside_kv = ("pos", "score")  # the accumulated attention: fp32, one per held token per KV head

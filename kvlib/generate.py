@@ -26,13 +26,32 @@ def prefill(model: Transformer, tokens: torch.Tensor, cache: Cache) -> torch.Ten
     """Run the whole prompt ``(B, T)`` through the model at once, filling ``cache``.
 
     Returns the logits for the next token, ``(B, vocab)``.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.DynamicCache(model.config.n_layer)
+    >>> kvlib.prefill(model, torch.tensor([[1, 2, 3]]), cache).shape, cache.seq_len
+    (torch.Size([1, 128]), 3)
     """
     return model(tokens, cache, last_only=True)[:, -1]
 
 
 @torch.inference_mode()
 def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """Feed one new token per sequence ``(B,)`` or ``(B, 1)``; returns next logits ``(B, vocab)``."""
+    """Feed one new token per sequence ``(B,)`` or ``(B, 1)``; returns next logits ``(B, vocab)``.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)
+    >>> cache = kvlib.DynamicCache(model.config.n_layer)
+    >>> new = [kvlib.prefill(model, torch.tensor([[1, 2, 3]]), cache).argmax(-1)]  # greedy, by hand
+    >>> for _ in range(4):
+    ...     new.append(kvlib.decode_step(model, new[-1], cache).argmax(-1))
+    >>> torch.cat(new).tolist() == kvlib.generate(model, [1, 2, 3], 5)[0, 3:].tolist()
+    True
+    """
     if token.dim() == 1:
         token = token[:, None]  # (B, 1)
     return model(token, cache, last_only=True)[:, -1]
@@ -203,6 +222,14 @@ def stream(
     already hold a conversation, and the prompt is appended after it.
     How tokens are picked: ``sampling=SamplingParams(...)``, or its fields as
     keywords (``temperature``, ``top_k``, ``top_p``, ``stop``, ``seed``, ``generator``).
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)  # sharp logits: no near ties
+    >>> new = list(kvlib.stream(model, [1, 2, 3], 5))  # five ints, one per step
+    >>> len(new), new == kvlib.generate(model, [1, 2, 3], 5)[0, 3:].tolist()
+    (5, True)
     """
     params = sampling_params(sampling, max_new_tokens, **sampling_kwargs)
     ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
@@ -246,6 +273,16 @@ def generate(
     ``pad_id`` (so every row's new tokens line up at the right); padding keys
     are masked out and each row's positions start at its first real token, so
     every row gets the tokens it would get alone. Sampling as in `stream`.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)  # sharp logits: no near ties
+    >>> out = kvlib.generate(model, [1, 2, 3], max_new_tokens=5)
+    >>> out.shape, out[0, :3].tolist()  # the prompt, then 5 new tokens
+    (torch.Size([1, 8]), [1, 2, 3])
+    >>> kvlib.generate(model, [[1, 2, 3], [4, 5]], 5).shape  # a batch, left-padded
+    torch.Size([2, 8])
     """
     params = sampling_params(sampling, max_new_tokens, **sampling_kwargs)
     ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
@@ -276,6 +313,14 @@ def generate_naive(
     """Like `generate`, but recompute the whole sequence at every step (no cache).
 
     ``cache`` is accepted for a drop-in signature and must be None.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)  # sharp logits: no near ties
+    >>> slow = kvlib.generate_naive(model, [1, 2, 3], max_new_tokens=5)
+    >>> torch.equal(slow, kvlib.generate(model, [1, 2, 3], max_new_tokens=5))  # the cache changes no token
+    True
     """
     if cache is not None:
         raise ValueError("generate_naive recomputes everything and uses no cache; pass cache=None")

@@ -49,6 +49,16 @@ def convert_kv_heads(model: Transformer, n_kv_head: int, how: str = "mean") -> T
     ``n_kv_head`` must divide the query heads, and be a multiple or a divisor of
     the current KV-head count. ``how`` ("mean" or "first") only matters when heads
     are merged.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])  # 4 query heads, 2 KV heads
+    >>> ids = torch.arange(1, 11)[None]
+    >>> mha = kvlib.gqa.convert_kv_heads(model, 4)  # each KV head copied: the same model
+    >>> torch.allclose(mha(ids), model(ids), atol=1e-5)
+    True
+    >>> kvlib.gqa.convert_kv_heads(model, 1).config.n_kv_head  # merged by their mean: MQA
+    1
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"model must be a kvlib Transformer, got {type(model).__name__}")

@@ -157,6 +157,15 @@ def step_time(config: ModelConfig, hw: Hardware, batch: int = 1, context: int = 
     ``context`` tokens cached, each adding ``new_tokens`` (a decode step is 1; a
     prefill of T tokens is ``context=0, new_tokens=T``), weights at ``dtype`` and the
     cache at ``kv_dtype`` (default ``dtype``). Attention runs at ``dtype``'s peak.
+
+    Example
+
+    >>> cfg, h100 = kvlib.PRESETS["llama-3-8b"], kvlib.hardware.HARDWARE["h100"]
+    >>> decode = kvlib.hardware.step_time(cfg, h100, batch=1, context=1024)
+    >>> decode.memory_bound, round(decode.total * 1e3, 1)  # milliseconds: reading 15 GB of weights
+    (True, 4.5)
+    >>> kvlib.hardware.step_time(cfg, h100, context=0, new_tokens=4096).memory_bound  # a long prefill
+    False
     """
     if not isinstance(hw, Hardware):
         raise TypeError(f"hw must be a Hardware, got {type(hw).__name__}")

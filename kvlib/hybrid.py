@@ -178,6 +178,16 @@ class HybridCache(_Kinds):
 
     ``get_seq_length(layer)`` is what that layer holds (a shared layer: its source's); the
     position of the next token is `positions`, which counts every token seen.
+
+    Example
+
+    >>> from kvlib.layers import full, window
+    >>> config = kvlib.PRESETS["tiny"].replace(layers=(window(8), full()))
+    >>> model = kvlib.Transformer(config)
+    >>> cache = kvlib.hybrid.HybridCache.for_model(config)
+    >>> logits = model(torch.arange(1, 41)[None], cache)
+    >>> [cache.get_seq_length(layer) for layer in range(2)]  # what each layer holds
+    [8, 40]
     """
 
     beside_kv = ("pos", "step", "lent")

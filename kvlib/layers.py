@@ -38,6 +38,14 @@ class LayerKind:
     ``sinks`` the first tokens a window layer keeps as well; ``source`` the earlier layer
     a shared layer reads (-1 otherwise). Build them with `full`, `window`, `chunked`,
     `shared` and `latent`, which check their arguments.
+
+    Example
+
+    >>> from kvlib.layers import full, repeat, tokens_held, window
+    >>> [str(kind) for kind in repeat([window(4), full()], 4)]  # Gemma's pattern, in small
+    ['window(4)', 'full', 'window(4)', 'full']
+    >>> tokens_held(window(4), 10), tokens_held(full(), 10)  # after a 10-token text
+    (4, 10)
     """
 
     kind: str

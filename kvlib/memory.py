@@ -142,7 +142,16 @@ def kv_bytes_by_layer(config: ModelConfig, seq_len: int, batch: int = 1, dtype: 
 def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str | int = DEFAULT_DTYPE) -> int:
     """Bytes of keys and values for ``batch`` sequences of ``seq_len`` positions: the sum of
     `kv_bytes_by_layer`. For an all-full model that is
-    ``2 * n_layer * batch * n_kv_head * seq_len * head_dim * dtype_bytes(dtype)``."""
+    ``2 * n_layer * batch * n_kv_head * seq_len * head_dim * dtype_bytes(dtype)``.
+
+    Example
+
+    >>> cfg = kvlib.PRESETS["llama-2-7b"]  # 32 layers, 32 KV heads of 128
+    >>> kvlib.memory.kv_cache_bytes(cfg, seq_len=4096) == 2 * 32 * 32 * 4096 * 128 * 2  # fp16
+    True
+    >>> kvlib.memory.kv_cache_bytes(cfg, 4096, batch=8, dtype="fp8") / 2**30  # GiB
+    8.0
+    """
     return sum(kv_bytes_by_layer(config, seq_len, batch, dtype))
 
 
@@ -200,6 +209,14 @@ def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = DEFAUL
     sequences: full, latent and shared layers. With window or chunked layers a sequence's cost
     depends on its length (a window layer holds at most W of its tokens), so a token budget
     means nothing and this raises a ValueError: use `max_batch`.
+
+    Example
+
+    >>> cfg = kvlib.PRESETS["llama-3-8b"]
+    >>> kvlib.memory.kv_bytes_per_token(cfg)  # 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+    131072
+    >>> kvlib.memory.max_tokens(cfg, 80 * 2**30)  # an 80 GiB GPU, after 15 GiB of fp16 weights
+    532827
     """
     check_config(config)
     _all_full(config, "max_tokens", "ask max_batch(config, memory_bytes, seq_len) instead")
@@ -208,7 +225,17 @@ def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = DEFAUL
 
 def max_batch(config: ModelConfig, memory_bytes: int, seq_len: int, dtype: str | int = DEFAULT_DTYPE) -> int:
     """The largest batch of ``seq_len``-token sequences whose cache fits beside the weights:
-    the free bytes over ``kv_cache_bytes(config, seq_len)``, for any layer pattern."""
+    the free bytes over ``kv_cache_bytes(config, seq_len)``, for any layer pattern.
+
+    Example
+
+    >>> cfg = kvlib.PRESETS["llama-3-8b"]
+    >>> kvlib.memory.max_batch(cfg, 80 * 2**30, seq_len=8192)  # 532827 tokens // 8192
+    65
+    >>> mistral = kvlib.PRESETS["mistral-7b"]  # every layer a window of 4096: longer costs no more
+    >>> kvlib.memory.max_batch(mistral, 80 * 2**30, 32768) == kvlib.memory.max_batch(mistral, 80 * 2**30, 4096)
+    True
+    """
     check_config(config)
     positive_int("seq_len", seq_len)
     return _free_bytes(config, memory_bytes, dtype, True) // kv_cache_bytes(config, seq_len, 1, dtype)

@@ -129,14 +129,8 @@ class Attention(nn.Module):
         # fn(q, k, v, mask) -> y; see Transformer.set_attention_impl
         self.impl: AttentionImpl = "sdpa"
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: Cache | None,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * H_kv, D)  # (B, T, heads, D): [q | k | v] heads
@@ -199,6 +193,15 @@ class Transformer(nn.Module):
     ``(B, T, d_model)``), ``layers`` (the `Block` list, ``n_layer`` long), ``norm`` (the
     final `RMSNorm`) and ``lm_head`` (a `Linear`, weight ``(d_model, vocab_size)``; with
     tied embeddings it is also the embedding table, and ``tok_emb`` is None).
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.DynamicCache(model.config.n_layer)
+    >>> model(torch.tensor([[1, 2, 3]]), cache).shape  # the prefill: logits (B, T, vocab)
+    torch.Size([1, 3, 128])
+    >>> model(torch.tensor([[4]]), cache).shape, cache.seq_len  # one decode step
+    (torch.Size([1, 1, 128]), 4)
     """
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
@@ -258,18 +261,9 @@ class Transformer(nn.Module):
             return F.embedding(tokens, self.lm_head.weight.t())  # rows of (vocab, d_model) view
         return self.tok_emb(tokens)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: Cache | None = None,
-        *,
-        positions: torch.Tensor | None = None,
-        key_valid: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-        last_only: bool = False,
-        logits_to_keep: int = 0,
-        logits_at: Sequence[int] | torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Cache | None = None, *, positions: torch.Tensor | None = None,
+                key_valid: torch.Tensor | None = None, mask: torch.Tensor | None = None, last_only: bool = False,
+                logits_to_keep: int = 0, logits_at: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` (or ``(B, 1, vocab)`` with ``last_only``).
 
         tokens: ``(B, T)`` int ids, appended after whatever ``cache`` holds.

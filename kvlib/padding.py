@@ -79,6 +79,16 @@ class PaddedBatch(Cache):
     itself: pads are masked out as keys, and each row's positions count its real
     tokens only. Every token after the prompt is real. Storage is the wrapped cache's
     (``nbytes``, ``bytes_written``, ``spec``); the batch keeps a copy of ``valid`` beside it.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> ids = torch.tensor([[0, 5, 6], [7, 8, 9]])  # row 0 is left-padded
+    >>> valid = torch.tensor([[False, True, True], [True, True, True]])
+    >>> batch = kvlib.PaddedBatch(kvlib.DynamicCache(model.config.n_layer), valid)
+    >>> padded = model(ids, batch)[0, -1]
+    >>> torch.allclose(padded, model(torch.tensor([[5, 6]]))[0, -1], atol=1e-5)  # as if alone
+    True
     """
 
     beside_kv = ("valid",)

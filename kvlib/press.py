@@ -401,6 +401,16 @@ def prefill(model: Transformer, ids: torch.Tensor, press: Press | str,
 
     Returns the `PressCache`, ready for `kvlib.decode_step`, and the prompt's last logits
     ``(B, vocab)``, which the compression cannot change (it acts after each layer's attention).
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> ids = torch.arange(1, 41)[None]  # a 40-token prompt
+    >>> cache, logits = kvlib.press.prefill(model, ids, kvlib.press.SnapKVPress(window_size=8), 0.5)
+    >>> cache.seq_len  # half the prompt kept
+    20
+    >>> torch.allclose(logits, model(ids)[:, -1], atol=1e-5)  # the prompt's last logits are untouched
+    True
     """
     (cache,), logits = prefill_many(model, ids, [(press, compression_ratio)])
     return cache, logits

@@ -58,6 +58,17 @@ class RadixCache:
     ``insert`` evicts least recently used unlocked tokens when it would go over
     capacity, and raises `CacheFull` (evicting nothing) if even that cannot make room.
     ``len(cache)`` counts edges (nodes below the root); ``total_tokens`` counts tokens.
+
+    Example
+
+    >>> cache = kvlib.radix.RadixCache(capacity_tokens=100)
+    >>> cache.insert([1, 2, 3, 4], ["k1", "k2", "k3", "k4"])  # tokens, and one value (a slot) each
+    4
+    >>> cache.insert([1, 2, 5], ["x1", "x2", "k5"])  # [1, 2] is shared: one new token
+    1
+    >>> match = cache.match_prefix([1, 2, 3, 9])
+    >>> match.length, match.values, cache.total_tokens
+    (3, ['k1', 'k2', 'k3'], 5)
     """
 
     def __init__(self, capacity_tokens: int) -> None:

@@ -30,6 +30,18 @@ class SamplingParams:
       reaching probability ``top_p``. None turns a cut off.
     - stop: token ids that end a sequence (the stop token is emitted, then it ends).
     - seed, generator: where the randomness comes from; give at most one.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> params = kvlib.SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20, seed=0)
+    >>> out = kvlib.generate(model, [1, 2, 3], sampling=params)
+    >>> torch.equal(out, kvlib.generate(model, [1, 2, 3], sampling=params))  # the same seed, the same tokens
+    True
+    >>> kvlib.SamplingParams(temperature=-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: temperature must be a number >= 0 ...
     """
 
     max_new_tokens: int | None = None

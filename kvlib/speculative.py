@@ -341,6 +341,15 @@ def speculative_generate(
     `PagedCache` gets a new sequence for the call, rolled back with ``truncate`` and freed
     when the call returns or raises (its full blocks stay in the prefix cache, so a next
     call on the same text hits them). Batch size 1 only; the draft sees the prompt and new tokens.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> model.reset_parameters(seed=0, std=0.2)
+    >>> prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    >>> out, stats = kvlib.speculative.speculative_generate(model, prompt, 6, kvlib.speculative.PromptLookupDraft())
+    >>> out.shape, torch.equal(out, kvlib.generate(model, prompt, 6))  # greedy: generate's tokens
+    (torch.Size([1, 14]), True)
     """
     int_at_least("k (draft tokens per step)", k, 1)
     int_at_least("max_new_tokens", max_new_tokens, 1)

@@ -19,6 +19,15 @@ class DynamicCache(Cache):
     ``keys[layer]`` and ``values[layer]`` are the stored tensors (None while empty). The
     first update stores a copy too (as Hugging Face's does), never the caller's view.
     ``crop`` keeps views of the old tensors; the next update's ``torch.cat`` compacts them.
+
+    Example
+
+    >>> cache = kvlib.DynamicCache(n_layer=2)
+    >>> k = torch.randn(1, 2, 3, 16)  # (B, H_kv, T, D): three tokens' keys
+    >>> cache.update(k, k, layer_idx=0)[0].shape, cache.get_seq_length(0)
+    (torch.Size([1, 2, 3, 16]), 3)
+    >>> cache.update(k[:, :, :1], k[:, :, :1], layer_idx=0)[0].shape  # one more: a new, longer tensor
+    torch.Size([1, 2, 4, 16])
     """
 
     def __init__(self, n_layer: int) -> None:

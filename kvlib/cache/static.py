@@ -23,6 +23,16 @@ class StaticCache(Cache):
     slots and returns a view of the filled prefix. Overflow raises ``IndexError``
     unless ``grow=True``, in which case the capacity doubles (amortised O(1)
     copying per token).
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.StaticCache.for_model(model.config, batch=1, max_len=16)
+    >>> cache.nbytes  # allocated up front: 2 (K, V) x 2 layers x 2 heads x 16 slots x 16 dims x 4 bytes
+    8192
+    >>> logits = model(torch.tensor([[1, 2, 3]]), cache)
+    >>> cache.seq_len, cache.capacity
+    (3, 16)
     """
 
     def __init__(

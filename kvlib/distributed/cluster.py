@@ -83,7 +83,17 @@ EFFICIENCY_BAND = (0.40, 0.65)
 def transfer_time(nbytes: int, link: Link, lanes: int = 1) -> float:
     """Seconds to move ``nbytes`` one way over ``lanes`` copies of ``link`` used in parallel
     (8 GPUs each on its own InfiniBand port, or 4 NVMe drives read at once): a floor, at the
-    links' nominal rate."""
+    links' nominal rate.
+
+    Example
+
+    >>> from kvlib.distributed import cluster
+    >>> nbytes = kvlib.memory.kv_cache_bytes(kvlib.PRESETS["llama-3-8b"], 8192)  # 1 GiB in fp16
+    >>> round(cluster.transfer_time(nbytes, cluster.INFINIBAND_NDR) * 1e3, 1)  # ms at 50 GB/s
+    21.5
+    >>> round(cluster.transfer_time(nbytes, cluster.NVME_SSD, lanes=4) * 1e3, 1)  # four drives at 7 GB/s
+    38.3
+    """
     int_at_least("nbytes", nbytes, 0)
     if not isinstance(link, Link):
         raise TypeError(f"link must be a Link, got {type(link).__name__}")

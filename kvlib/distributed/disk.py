@@ -132,6 +132,23 @@ class DiskStore:
     Errors: a budget below one chunk is a ``ValueError`` here; a write that fails (no space
     left on the device) raises `StoreError` from ``put`` after removing its temp file; a
     read that fails in any way is a miss, never an exception.
+
+    Example
+
+    >>> import tempfile
+    >>> from kvlib.distributed.disk import DiskStore
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> prompt = list(range(1, 41))
+    >>> cache = kvlib.DynamicCache(model.config.n_layer)
+    >>> logits = model(torch.tensor([prompt]), cache)
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     store = DiskStore.for_model(root, model, model_id="tiny, seed 0", chunk_tokens=16)
+    ...     report = store.put(prompt, cache)  # two whole chunks of 16; the last 8 tokens are not stored
+    ...     prefix = store.lookup(prompt + [99])
+    >>> report.written, prefix.n_tokens
+    (2, 32)
+    >>> torch.equal(prefix.keys[0], cache.keys[0][:, :, :32])  # layer 0's keys, back from disk
+    True
     """
 
     def __init__(self, root: str | os.PathLike, *, model_id: str, n_layer: int, n_kv_head: int, head_dim: int,

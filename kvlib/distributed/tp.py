@@ -63,6 +63,19 @@ def plan(config: ModelConfig, size: int) -> list[Shard]:
     The rules are vLLM's: the query heads and the MLP's columns divide evenly, and either
     ``size`` divides the KV heads (each rank its own) or the KV heads divide ``size``
     (each KV head replicated on ``size / n_kv_head`` ranks).
+
+    Example
+
+    >>> from kvlib.distributed import tp
+    >>> config = kvlib.PRESETS["tiny"]  # 4 query heads, 2 KV heads
+    >>> [shard.kv_heads for shard in tp.plan(config, 2)]  # each rank its own KV head
+    [(0,), (1,)]
+    >>> [(shard.kv_heads, shard.replicas) for shard in tp.plan(config, 4)]  # each KV head on two ranks
+    [((0,), 2), ((0,), 2), ((1,), 2), ((1,), 2)]
+    >>> tp.plan(config, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: tiny (random weights)'s 4 query heads do not divide among 3 ranks: ...
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"plan needs a ModelConfig, got {type(config).__name__}")

@@ -73,6 +73,18 @@ class PagedCache:
     prompt blocks); ``with cache.step([sid, ...], tokens) as b: model(tokens, b)`` appends;
     ``cache.fork(sid)`` shares a sequence copy-on-write; ``cache.truncate(sid, n)`` rolls
     it back; ``cache.free(sid)`` ends it.
+
+    Example
+
+    >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.PagedCache.for_model(model.config, num_blocks=8, block_size=4)
+    >>> sid, cached = cache.add([1, 2, 3, 4, 5])  # nothing cached yet: run all five
+    >>> with cache.step([sid], torch.tensor([[1, 2, 3, 4, 5]])) as batch:
+    ...     logits = model(torch.tensor([[1, 2, 3, 4, 5]]), batch)
+    >>> cache.num_tokens(sid), cache.block_table(sid)  # five tokens in two blocks of four
+    (5, [0, 1])
+    >>> cache.add([1, 2, 3, 4, 9])  # a second sequence finds the first full block cached
+    (1, 4)
     """
 
     def __init__(
@@ -277,6 +289,19 @@ class PagedCache:
         Use it as ``with cache.step(sids, tokens) as batch:`` so the step is committed when
         the forward succeeds. Raises `OutOfBlocks`, before anything changes, if the pool
         cannot hold the step.
+
+        Example
+
+        >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+        >>> cache = kvlib.PagedCache.for_model(model.config, num_blocks=8, block_size=4)
+        >>> a, _ = cache.add([1, 2, 3])
+        >>> b, _ = cache.add([4, 5, 6])
+        >>> with cache.step([a, b], torch.tensor([[1, 2, 3], [4, 5, 6]])) as batch:
+        ...     logits = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), batch)
+        >>> with cache.step([a, b], torch.tensor([[7], [8]])) as batch:  # one decode token each
+        ...     step = model(torch.tensor([[7], [8]]), batch)
+        >>> torch.allclose(step[1, -1], model(torch.tensor([[4, 5, 6, 8]]))[0, -1], atol=1e-5)
+        True
         """
         self._settle()
         sids = list(sids)
