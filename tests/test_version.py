@@ -54,9 +54,23 @@ def rename_rows(lines: list[str]) -> list[tuple[str, str]]:
             inside = line.strip() == "### Renamed"
         elif inside and line.startswith("|") and not set(line) <= set("|-: "):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if cells[0] != "Old":  # the header row
+            if not cells[0].startswith("Old"):  # the header row
                 rows.append((cells[0], cells[1]))
     return rows
+
+
+def removed_names(lines: list[str]) -> list[str]:
+    """The dotted names each bullet under ``### Removed`` names before its first colon."""
+    names, inside, bullet = [], False, ""
+    for line in lines + ["### end"]:
+        if line.startswith("### ") or line.startswith("- "):
+            names += NAME.findall(bullet.split(":")[0])
+            bullet = line if line.startswith("- ") and inside else ""
+            if line.startswith("### "):
+                inside = line.strip() == "### Removed"
+        elif bullet:
+            bullet += " " + line.strip()
+    return names
 
 
 def resolves(dotted: str) -> bool:
@@ -98,9 +112,9 @@ def test_changelog_entries_run_newest_first():
     assert dates == sorted(dates, reverse=True), dates
 
 
-def test_each_rename_in_the_changelog_is_true_of_the_code():
-    """New names resolve now unless a newer entry renames them again; old names are gone
-    unless the row says "still importable" or a newer entry brings the name back."""
+def test_each_rename_and_removal_in_the_changelog_is_true_of_the_code():
+    """New names resolve now unless a newer entry renames them again; old and removed names are
+    gone unless the row says "still importable" or a newer entry brings the name back."""
     entries = releases(CHANGELOG.read_text(encoding="utf-8"))
     assert rename_rows(entries[0][2]) or rename_rows(entries[1][2]), "no Renamed table found"
     renamed_later: set[str] = set()
@@ -116,6 +130,9 @@ def test_each_rename_in_the_changelog_is_true_of_the_code():
                 for name in NAME.findall(old):
                     if name not in named_later and resolves(name):
                         problems.append(f"{version}: old name {name} still resolves")
+        for name in removed_names(lines):
+            if name not in named_later and resolves(name):
+                problems.append(f"{version}: removed name {name} still resolves")
         renamed_later |= {n for old, _ in rows for n in NAME.findall(old)}
         named_later |= {n for _, new in rows for n in NAME.findall(new)}
     assert problems == [], problems
