@@ -25,7 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 CHANGELOG = ROOT / "CHANGELOG.md"
 RELEASE = re.compile(r"^## (\d+\.\d+\.\d+) — (\d{4}-\d{2}-\d{2})\s*$")  # "## 0.4.0 — 2026-12-03"
-NAME = re.compile(r"`(kvlib(?:\.\w+)+)`")
+NAME = re.compile(r"`(kvlib(?:\.\w+)+)(?:\([^`]*\))?`")  # `kvlib.a.B.c` or `kvlib.a.B.c(arg=)`
 
 
 def pyproject_version() -> str:
