@@ -120,7 +120,10 @@ def index() -> str:
     return ("(api)=\n# kvlib reference\n\n"
             "Every public name of kvlib, from its own docstrings, grouped as the chapters meet them. "
             "A chapter links the first mention of each name here; each entry lists the chapters that "
-            "mention it.\n\n| page | what it holds |\n| --- | --- |\n" + rows + "\n")
+            "mention it. The examples (`>>>`) assume `import torch` and `import kvlib`, run on the tiny "
+            "preset in milliseconds, and are run as tests (`tests/test_doctests.py`), so they stay true. "
+            "What changed between versions, and the old names of renamed ones, is in the "
+            "{doc}`../changelog`.\n\n| page | what it holds |\n| --- | --- |\n" + rows + "\n")
 
 
 def pages() -> dict[str, str]:
