@@ -263,3 +263,29 @@ def test_a_chapters_kvlib_name_opens_its_reference_entry(server, browser, doc):
     assert any(doc.split("/")[-1] in (taught.nth(i).get_attribute("href") or "") for i in range(taught.count())), \
         f"the reference does not list {doc} among the chapters that teach its names"
     page.close()
+
+
+def test_in_chromium_every_public_name_has_an_entry_and_every_chapter_link_lands(server, browser):
+    """The reference as a browser sees it: the ids on every reference page cover every name in
+    kvlib's and each module's ``__all__``, and every chapter's kvlib link points at one of them."""
+    from test_apiref import public_names
+
+    toc = pages()
+    page = browser.new_page(viewport=DESKTOP)
+    ids: dict[str, set[str]] = {}
+    for doc in (d for d in toc if d.startswith("book/api/")):
+        page.goto(f"{server}/{doc}.html", wait_until="load")
+        ids[f"{doc}.html"] = set(page.evaluate("() => [...document.querySelectorAll('[id]')].map(e => e.id)"))
+    every = set().union(*ids.values())
+    names = public_names()
+    missing = [(m, n) for m, n, t in names if not ({t} if isinstance(t, str) else set(t)) & every]
+    assert len(names) > 100 and not missing, f"public names with no entry: {missing[:10]}"
+    links = 0
+    for doc in (d for d in toc if d.startswith("book/ch")):
+        page.goto(f"{server}/{doc}.html", wait_until="load")
+        for href in page.evaluate("() => [...document.querySelectorAll('a.kvlib-api')].map(a => a.href)"):
+            path, _, anchor = urlparse(href).path.lstrip("/"), None, urlparse(href).fragment
+            assert anchor in ids.get(path, set()), f"{doc}: {href} lands on no entry"
+            links += 1
+    assert links > 100, f"only {links} links from the chapters to the reference"
+    page.close()
