@@ -8,12 +8,13 @@ kvlib module is on exactly one page and that the pages are what this module writ
 As a Sphinx extension (``kvlib.book.apiref`` in ``_config.yml``) it links both ways:
 
 * in a chapter, the first inline-code mention of a public kvlib name (```kvlib.generate```,
-  ```PagedCache.step```, ```tp.plan```) becomes a link to that name's reference entry;
-* each reference entry lists the chapters that mention it ("Taught in").
+  ```PagedCache.step```, ```tp.plan```) becomes a link to that name's reference entry, and so
+  does the first use in its code cells of each name the prose did not link;
+* each reference entry lists the chapters that mention or use it ("Taught in").
 
 A name is linked only when it resolves to one documented object: a full dotted name, a
 top-level ``kvlib.X``, a module-relative ``module.X``, or a bare name or ``Class.method``
-that no other documented object shares.
+that no other documented object shares (in code, a bare name only if it is a class's).
 """
 
 from __future__ import annotations
@@ -200,10 +201,43 @@ def collect(app, env) -> None:
     taught: dict[str, list[str]] = {}
     for docname in sorted(env.found_docs):
         if _chapter(docname):
-            for _, full in _mentions(env.get_doctree(docname), env.kvlib_aliases):
+            doctree = env.get_doctree(docname)
+            used = [full for _, full in _mentions(doctree, env.kvlib_aliases)] + list(_code_names(doctree, env))
+            for full in used:
                 if docname not in taught.setdefault(full, []):
                     taught[full].append(docname)
     env.kvlib_taught = taught
+
+
+def _resolve(dotted: str, aliases: dict[str, str]) -> str | None:
+    """The documented object a name in code means: the longest leading part that resolves
+    (``kvlib.memory.kv_cache_bytes``, ``tp.plan``, ``StaticCache.for_model``; ``kvlib.X.y`` as
+    ``X.y``), or None. A bare lowercase name is never linked: in code it is as likely a
+    variable (``prompts``, ``overlap``) as the kvlib function of that name."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        for start in (0, 1) if parts[0] == "kvlib" else (0,):
+            name = ".".join(parts[start:n])
+            if name in aliases and (n - start > 1 or name[:1].isupper()):
+                return aliases[name]
+    return None
+
+
+CODE_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+
+def _code_names(doctree, env):
+    """Documented objects the chapter's code cells use (import lines aside), in order."""
+    from docutils import nodes
+
+    for block in doctree.findall(nodes.literal_block):
+        for line in block.astext().splitlines():
+            if line.lstrip().startswith(("import ", "from ", "#")):
+                continue
+            for m in CODE_NAME.finditer(line):
+                full = _resolve(m.group(0), env.kvlib_aliases)
+                if full:
+                    yield full
 
 
 def forget(app, env, docnames) -> None:
@@ -222,6 +256,8 @@ def link(app, doctree, docname: str) -> None:
         collect(app, env)
     if _chapter(docname):
         seen: set[str] = set()
+        env.kvlib_linked = getattr(env, "kvlib_linked", None) or {}
+        env.kvlib_linked[docname] = seen  # html-page-context links the code's first uses of the rest
         for lit, full in list(_mentions(doctree, env.kvlib_aliases)):
             if full in seen:
                 continue
@@ -248,6 +284,42 @@ def link(app, doctree, docname: str) -> None:
             content.insert(0, para)
 
 
+SPANS = re.compile(r'<span class="n">(\w+)</span>(?:<span class="o">\.</span><span class="n">\w+</span>)*')
+
+
+def link_code(app, pagename: str, templatename: str, context: dict, doctree) -> None:
+    """A chapter's code cells: the first use of each name its prose did not link becomes a link.
+
+    Pygments has already split the code into spans (``<span class="n">kvlib</span><span
+    class="o">.</span>...``); a dotted run of name spans that resolves is wrapped in a link.
+    Import lines are left alone: a name is linked where it is used.
+    """
+    env = app.builder.env
+    if not _chapter(pagename) or "body" not in context or getattr(env, "kvlib_aliases", None) is None:
+        return
+    objects = env.get_domain("py").objects
+    linked = set((getattr(env, "kvlib_linked", None) or {}).get(pagename, ()))
+    out, last = [], 0
+    body = context["body"]
+    for m in SPANS.finditer(body):
+        if body.endswith('<span class="o">.</span>', 0, m.start()):
+            continue  # an attribute of something else: ``served.loaded``
+        line_start = body.rfind("\n", 0, m.start()) + 1
+        if re.match(r'\s*(<span class="[^"]*">\s*</span>)?\s*<span class="(kn|c1)">', body[line_start:m.start() + 40]):
+            continue  # an import line, or a comment
+        dotted = ".".join(re.findall(r'<span class="n">(\w+)</span>', m.group(0)))
+        full = _resolve(dotted, env.kvlib_aliases)
+        if not full or full in linked:
+            continue
+        linked.add(full)
+        entry = objects[full]
+        uri = app.builder.get_relative_uri(pagename, entry.docname) + "#" + entry.node_id
+        out += [body[last:m.start()], f'<a class="kvlib-api kvlib-api-code reference internal" href="{uri}" '
+                f'title="{full}">', m.group(0), "</a>"]
+        last = m.end()
+    context["body"] = "".join(out) + body[last:]
+
+
 def configure(app, config) -> None:
     """autodoc as the reference wants it, and nitpicky silence for names outside kvlib."""
     config.autodoc_typehints = "signature"
@@ -268,6 +340,7 @@ def setup(app) -> dict:
     app.connect("env-check-consistency", collect)
     app.connect("env-before-read-docs", forget)
     app.connect("doctree-resolved", link)
+    app.connect("html-page-context", link_code)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
 
 
