@@ -105,9 +105,8 @@ def page(slug: str, title: str, chapters: list[str], modules: list[str], blurb: 
     lines = [f"(api-{slug})=", f"# {title}", "",
              f"The reference for {blurb}, rendered from kvlib's docstrings."
              + (f" The chapters that teach it: {taught}." if chapters else ""),
-             "Each entry lists the chapters that mention it."]
+             "Each entry lists the chapters that mention or use it."]
     for name in modules:
-        mod = importlib.import_module(name)
         options = ["   :members:", "   :undoc-members:", "   :show-inheritance:"]
         skip = reexports(name)  # a package's names from its modules: documented there
         if skip:
@@ -120,8 +119,8 @@ def index() -> str:
     rows = "\n".join(f"| {{doc}}`{slug}` | {blurb} |" for slug, _, _, _, blurb in GROUPS)
     return ("(api)=\n# kvlib reference\n\n"
             "Every public name of kvlib, from its own docstrings, grouped as the chapters meet them. "
-            "A chapter links the first mention of each name here; each entry lists the chapters that "
-            "mention it. The examples (`>>>`) assume `import torch` and `import kvlib`, run on the tiny "
+            "A chapter links the first mention or use of each name here; each entry lists the chapters "
+            "that mention or use it. The examples (`>>>`) assume `import torch` and `import kvlib`, run on the tiny "
             "preset in milliseconds, and are run as tests (`tests/test_doctests.py`), so they stay true. "
             "What changed between versions, and the old names of renamed ones, is in the "
             "{doc}`../changelog`.\n\n| page | what it holds |\n| --- | --- |\n" + rows + "\n")
@@ -165,8 +164,7 @@ def _aliases(objects: dict) -> dict[str, str]:
         parts = full.split(".")
         add(full, full)
         for i in range(1, len(parts) - 1):  # "memory.kv_cache_bytes", "tp.plan", "PagedCache.step"
-            if i < len(parts) - 1:
-                add(".".join(parts[i:]), full)
+            add(".".join(parts[i:]), full)
         if entry.objtype in ("class", "function", "exception"):  # "check_cache", "PagedCache"
             add(parts[-1], full)
     for name in getattr(kvlib, "__all__", []):  # kvlib.generate is kvlib.generate.generate

@@ -76,15 +76,23 @@ def vllm_checkpoint(python: Path | None = None, model_dir: Path | None = None) -
     return Path(python), model_dir
 
 
-def runner_parser(prog: str, doc: str | None, tool: str, only: str, against: str) -> argparse.ArgumentParser:
-    """The command line every outside-reference runner takes: ``--python`` (``tool``'s interpreter),
-    ``--json`` (write the record), ``--against`` (a stored record) and ``--only``."""
+def runner_args(argv: list[str], prog: str, doc: str | None, tool: str, label: str, find_python,
+                only: str, against: str) -> argparse.Namespace | None:
+    """The command line every outside-reference runner takes: ``--python`` (``tool``'s interpreter,
+    default ``find_python()``, the ``make tool`` environment), ``--json`` (write the record),
+    ``--against`` (a stored record) and ``--only``. None, after saying what to run, when there is
+    no such environment."""
     ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", type=Path, default=None, help=f"{tool}'s interpreter (default: .venv-{tool})")
+    ap.add_argument("--python", type=Path, default=None, help=f"{label}'s interpreter (default: .venv-{tool})")
     ap.add_argument("--json", type=Path, default=None, help="write the record here")
     ap.add_argument("--against", type=Path, default=None, help=against)
     ap.add_argument("--only", nargs="*", default=None, help=only)
-    return ap
+    args = ap.parse_args(argv)
+    args.python = args.python or find_python()
+    if args.python is None:
+        print(f"no {label} environment: run `make {tool}` first (or pass --python)", file=sys.stderr)
+        return None
+    return args
 
 
 def settle(record: dict, json_path: Path | None, against: Path | None, facts_of, failed: list[str], *,
@@ -109,5 +117,5 @@ def load_record(path: str | os.PathLike | None = None) -> dict:
     return read_record(RECORD if path is None else path, "vllm crosscheck")
 
 
-__all__ = ["Check", "RECORD", "capacity_line", "compare", "env_python", "load_record", "read_record", "run", "runner_parser", "serving", "serving_prompts", "settle",
+__all__ = ["Check", "RECORD", "capacity_line", "compare", "env_python", "load_record", "read_record", "run", "runner_args", "serving", "serving_prompts", "settle",
            "spec_prompts", "vllm_checkpoint", "vllm_python"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from . import runner_parser, settle, vllm_python
+from . import runner_args, settle, vllm_python
 from .driver import export, run
 from .workload import scenarios, serving_prompts, spec_prompts
 
@@ -48,12 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         export(argv[1])
         return 0
-    ap = runner_parser("python -m kvlib.crosscheck", __doc__, "vllm", only="scenarios to run (default: all)",
+    args = runner_args(argv, "python -m kvlib.crosscheck", __doc__, "vllm", "vLLM", vllm_python,
+                       only="scenarios to run (default: all)",
                        against="a stored record the tokens and counts must match")
-    args = ap.parse_args(argv)
-    python = args.python or vllm_python()
-    if python is None:
-        print("no vLLM environment: run `make vllm` first (or pass --python)", file=sys.stderr)
+    if args is None:
         return 2
 
     from .. import data
@@ -64,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     text_ids = tok.encode(data.tiny_shakespeare("all"))
     work = [s for s in scenarios(model.config, text_ids, spec_prompts(tok), serving_prompts(tok))
             if not args.only or s["name"] in args.only]
-    record = run(model, work, python, log=lambda line: print(line, flush=True))
+    record = run(model, work, args.python, log=lambda line: print(line, flush=True))
     checks = [Check(**c) for c in record["checks"]]
     for c in checks:
         print(f"[{c.status:6s}] {c.name}: vLLM {c.vllm} | kvlib {c.kvlib}\n          {c.detail}")

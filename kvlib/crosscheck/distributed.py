@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import read_record, runner_parser, settle, vllm_checkpoint, vllm_python
+from . import read_record, runner_args, settle, vllm_checkpoint, vllm_python
 
 #: The stored distcheck record, read where vLLM is not installed (`load_record`).
 RECORD = Path(__file__).resolve().parents[1] / "data" / "vllm_distributed_cpu.json"
@@ -268,19 +268,16 @@ def facts(record: dict, names: set[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = runner_parser("python -m kvlib.crosscheck.distributed", __doc__, "vllm",
+    args = runner_args(argv, "python -m kvlib.crosscheck.distributed", __doc__, "vllm", "vLLM", vllm_python,
                        only="scenarios to run (default: all)", against="a stored record whose facts must not move")
-    args = ap.parse_args(argv)
-    python = args.python or vllm_python()
-    if python is None:
-        print("no vLLM environment: run `make vllm` first (or pass --python)", file=sys.stderr)
+    if args is None:
         return 2
 
     from .. import data
     from ..pretrained import load_smollm2
 
     model, tok = load_smollm2()
-    record = run(model, tok.encode(data.tiny_shakespeare("val")), python, only=args.only,
+    record = run(model, tok.encode(data.tiny_shakespeare("val")), args.python, only=args.only,
                  log=lambda line: print(line, flush=True))
     for c in record["checks"]:
         print(f"[{c['status']:6s}] {c['name']}: {c['detail'][:200]}")

@@ -24,7 +24,6 @@ this file, so it runs with vLLM's pinned transformers.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -131,13 +130,9 @@ def run(scenario: dict, model_dir: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    spec = json.loads(Path(argv[0]).read_text())
-    result = run(spec["scenario"], spec["model_dir"])
-    Path(argv[1]).write_text(json.dumps(result))
-    return 0
+    from .vllm_side import serve_spec
+
+    return serve_spec(argv, run, __doc__)  # worker processes stay on: tensor parallelism needs them
 
 
 if __name__ == "__main__":

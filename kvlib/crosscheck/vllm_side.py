@@ -99,16 +99,22 @@ def run(scenario: dict, model_dir: str) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
+def serve_spec(argv: list[str], run_scenario, doc: str | None) -> int:
+    """A vLLM-side script's entry point: ``SPEC.json OUT.json``; the spec's scenario run by
+    ``run_scenario(scenario, model_dir)``, its result written as JSON."""
     if len(argv) != 2:
-        print(__doc__, file=sys.stderr)
+        print(doc, file=sys.stderr)
         return 2
     spec = json.loads(open(argv[0]).read())
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    result = run(spec["scenario"], spec["model_dir"])
+    result = run_scenario(spec["scenario"], spec["model_dir"])
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one engine, stepped in this process
+    return serve_spec(argv, run, __doc__)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..crosscheck import runner_parser, settle
+from ..crosscheck import runner_args, settle
 from . import kvpress_python, table
 
 
@@ -44,12 +44,9 @@ def print_table(record: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = runner_parser("python -m kvlib.presscheck", __doc__, "kvpress", only="presses to run (default: all)",
-                       against="a stored record whose facts must not move")
-    args = ap.parse_args(argv)
-    python = args.python or kvpress_python()
-    if python is None:
-        print("no kvpress environment: run `make kvpress` first (or pass --python)", file=sys.stderr)
+    args = runner_args(argv, "python -m kvlib.presscheck", __doc__, "kvpress", "kvpress", kvpress_python,
+                       only="presses to run (default: all)", against="a stored record whose facts must not move")
+    if args is None:
         return 2
 
     from ..pretrained import load_smollm2
@@ -57,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from .workload import passage_ids
 
     model, tok = load_smollm2()
-    record = run(model, passage_ids(tok), python, presses=tuple(args.only) if args.only else None,
+    record = run(model, passage_ids(tok), args.python, presses=tuple(args.only) if args.only else None,
                  log=lambda line: print(line, flush=True))
     for name, res in record["kvpress"].items():
         print(f"kvpress {name:24s} prefill {res['prefill_seconds']:5.2f} s, {len(res['tokens'])} tokens "
