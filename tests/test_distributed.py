@@ -14,17 +14,10 @@ import torch
 
 import kvlib
 from kvlib.distributed import disagg, tp
-from kvlib.distributed.launch import alive, launch
+from kvlib.distributed.launch import Launch, launch
 
 TINY = kvlib.ModelConfig(n_layer=2, n_head=8, n_kv_head=2, d_model=64, d_ff=128, vocab_size=128,
                          max_seq_len=64, name="tiny")
-
-
-def none_alive(run) -> bool:
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in run.pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(alive(p) for p in run.pids)
 
 
 # -- the split itself, no processes -----------------------------------------------------------------
@@ -85,7 +78,7 @@ def test_the_ranks_partial_outputs_sum_to_the_whole_layer():
 
 # -- on processes -----------------------------------------------------------------------------------
 def reference(source, prompts, n_new):
-    model = tp._model(source)
+    model = tp.build(source)
     runs = []
     for prompt in prompts:
         cache = kvlib.StaticCache.for_model(model.config, 1, len(prompt) + n_new)
@@ -101,7 +94,7 @@ def test_tensor_parallel_tokens_bytes_and_all_reduces_equal_one_process(source, 
     n_new = 12
     config, runs = reference(source, prompts, n_new)
     run = launch(tp.generate_worker, size, source, prompts, n_new, timeout=240)
-    assert none_alive(run)
+    assert run.stopped()
     rank0 = run.results[0]
     for i, (tokens, logits, nbytes) in enumerate(runs):
         # The all-reduce adds the ranks' partial sums in another order than one matmul does:
@@ -126,7 +119,7 @@ def test_disaggregated_decode_continues_with_identical_tokens_and_the_formulas_b
         single = kvlib.generate(model, prompt, n_new)[0, len(prompt):].tolist()
     trials = [(True, None), (False, 2.0)]
     run = launch(disagg.worker, 2, "smollm2", prompt, n_new, trials, timeout=240)
-    assert none_alive(run)
+    assert run.stopped()
     sent, got = run.results
     formula = kvlib.memory.kv_cache_bytes(model.config, len(prompt), dtype="fp32")
     for (overlap, _), p, d in zip(trials, sent, got):
@@ -181,3 +174,14 @@ def test_a_failing_worker_stops_the_launch_and_every_process():
         launch(lambda rank, size: None, 2)
     with pytest.raises(ValueError, match="size"):
         launch(sleeps, 0)
+
+
+def test_stopped_waits_for_the_workers_and_says_whether_any_is_left():
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert Launch([], [gone.pid], 0.0).stopped(grace=1.0)
+    assert not Launch([], [os.getpid()], 0.0).stopped(grace=0.2)  # this process is running

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ..cache import StaticCache
 from ..generate import generate, prefill
 from ..model import Transformer
-from .tp import _model
+from .tp import build
 
 PREFILL, DECODE = 0, 1  # the two ranks
 
@@ -157,7 +157,7 @@ def worker(rank: int, size: int, source, prompt: list[int], n_new: int,
     """
     if size != 2:
         raise ValueError(f"disaggregation here is one prefill and one decode process: size 2, got {size}")
-    model = _model(source)
+    model = build(source)
     out = []
     for overlap, link_gb_s in trials:
         dist.barrier()

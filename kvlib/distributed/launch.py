@@ -11,7 +11,7 @@ the bytes they move, are the same.)
 ``fn(rank, size, *args)`` in each, and returns what each returned, in rank order. Every wait
 is bounded: a worker that raises, hangs or dies stops the whole launch, every process is
 stopped by its id, and the launch raises with the worker's traceback. ``Launch.pids`` keeps
-the ids, so a caller can check that none is left running (`alive`).
+the ids, so a caller can check that none is left running (``Launch.stopped``, `alive`).
 
 ``fn`` must be importable by name (a function defined in a module, not in a notebook cell):
 a spawned process imports it afresh.
@@ -44,6 +44,13 @@ class Launch:
     pids: list[int]
     seconds: float
     threads: int = field(default=1)
+
+    def stopped(self, grace: float = 5.0) -> bool:
+        """Whether every worker process is gone, given up to ``grace`` seconds to exit (bounded)."""
+        deadline = time.monotonic() + grace
+        while any(alive(pid) for pid in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not any(alive(pid) for pid in self.pids)
 
 
 def alive(pid: int) -> bool:

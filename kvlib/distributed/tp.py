@@ -184,15 +184,17 @@ def allreduce_bytes(config: ModelConfig, tokens: int, batch: int = 1, dtype: str
     return 2 * config.n_layer * batch * tokens * config.d_model * dtype_bytes(dtype)
 
 
-def _model(source) -> Transformer:
-    """SmolLM2 (``"smollm2"``), or a ``(ModelConfig, seed)`` pair: a random model, the same on every rank."""
+def build(source) -> Transformer:
+    """The model a worker runs: SmolLM2 (``"smollm2"``), or for a ``(ModelConfig, seed)`` pair a
+    random model, the same in every process (seeded, ``std=0.2``: no near-ties, so argmax is the
+    model's). What a launch passes instead of weights: each process builds its own."""
     if source == "smollm2":
         from ..pretrained import load_smollm2
 
         return load_smollm2()[0]
     config, seed = source
     model = Transformer(config)
-    model.reset_parameters(seed=seed, std=0.2)  # std 0.2: no near-ties, so argmax is the model's
+    model.reset_parameters(seed=seed, std=0.2)
     return model.eval()
 
 
@@ -216,7 +218,7 @@ def generate_worker(rank: int, size: int, source, prompts: list[list[int]], n_ne
     returns the tokens and logits (every rank computes the same: the residual stream is
     all-reduced, and the output layer replicated).
     """
-    model = _model(source)
+    model = build(source)
     mine = shard(model, rank, size)
     out: dict = {"shard": plan(model.config, size)[rank], "cache_bytes": [], "tokens": [], "logits": []}
     del model  # the full weights: this rank keeps its slices (and the replicated ends)
