@@ -125,3 +125,15 @@ def test_citations_in_the_sites_author_year_style():
     bib = ("@article{a1,\n  author = {Kwon, Woosuk and Li, Zhuohan and Stoica, Ion},\n  year = {2023},\n}\n"
            "@misc{b2,\n  author = {Leviathan, Yaniv and Kalman, Matan},\n  year = {2023},\n}\n")
     assert bib_citations(bib) == {"a1": "Kwon et al., 2023", "b2": "Leviathan and Kalman, 2023"}
+
+
+def test_a_page_is_named_by_its_own_title_whatever_other_links_say(tmp_path):
+    """A bare {doc} shows the page's title; a link elsewhere with words of its own must not
+    decide what the reader edition calls the page (pages are read in name order)."""
+    from kvlib.book.reader import site_references
+
+    (tmp_path / "a.html").write_text('<a class="reference internal" href="b.html"><span class="doc">'
+                                     'chapter 2</span></a>')
+    (tmp_path / "b.html").write_text('<h1><span class="section-number">2. </span>Title B<a class="headerlink" '
+                                     'href="#t">#</a></h1>')
+    assert site_references(tmp_path)["b"] == ["b.html", "Title B"]

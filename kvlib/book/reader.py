@@ -45,6 +45,8 @@ MYST_LEFT = re.compile(r"\{[a-z][a-z:\-]*\}`|^(`{3,}|:{3,})\s*\{|^\([^()\s]+\)=\
 REF_LINK = re.compile(
     r'<a class="reference internal" href="([^"]*)"[^>]*>\s*<span class="(std std-ref|doc)">'
     r"(.*?)</span>", re.S)
+PAGE_TITLE = re.compile(  # the article's heading, not crossing its </h1>
+    r'<h1>(?:<span class="section-number">[^<]*</span>)?((?:[^<]|<(?!/h1>|a class="headerlink"))*)<a class="headerlink"')
 NUMBERED = re.compile(
     r'<(?:figure|div) class="(?:[^"]*\s)?(?:align-\w+|exercise admonition)[^"]*" id="([^"]+)">.*?'
     r'<span class="caption-number">([^<]+?)\s*</span>', re.S)
@@ -91,7 +93,8 @@ def site_references(html_dir: Path) -> dict[str, list[str]]:
     Targets are labels (``ch5-why-less``, ``fig-ch2-step``, ``ch1-ex1``) and pages
     (``ch09_paging``); hrefs are relative to the site's root. Read from the HTML, so the
     words and numbers are exactly the website's: a section's title from the links to it,
-    a figure's or an exercise's number from its own caption.
+    a figure's or an exercise's number from its own caption, a page's title from its own
+    heading (what a bare ``{doc}`` shows; a link with words of its own says nothing of it).
     """
     refs: dict[str, list[str]] = {}
     for page in sorted(html_dir.rglob("*.html")):
@@ -107,6 +110,10 @@ def site_references(html_dir: Path) -> dict[str, list[str]]:
                 refs.setdefault(frag, [f"{target_page}#{frag}", _plain(shown)])
         for label, number in NUMBERED.findall(text):
             refs.setdefault(label, [f"{page.relative_to(html_dir).as_posix()}#{label}", _plain(number)])
+    for page in sorted(html_dir.rglob("*.html")):
+        title = PAGE_TITLE.search(page.read_text(encoding="utf-8"))
+        if title and page.stem in refs:
+            refs[page.stem] = [page.relative_to(html_dir).as_posix(), _plain(title.group(1))]
     return refs
 
 
