@@ -30,14 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-
-def _counters(llm) -> dict[str, float]:
-    """Every counter of ``LLM.get_metrics()``, summed over its labels."""
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if type(m).__name__ == "Counter":
-            out[m.name] = out.get(m.name, 0) + m.value
-    return out
+from .vllm_side import counters, serve_spec
 
 
 def _files(folder: str | None) -> dict:
@@ -72,10 +65,10 @@ def _pass(llm, prompts: list[list[int]], max_tokens: int, storage: str | None) -
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    before, t0 = _counters(llm), time.perf_counter()
+    before, t0 = counters(llm), time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    after = _counters(llm)
+    after = counters(llm)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
             "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs], "seconds": seconds,
             "counters": {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)},
@@ -130,8 +123,6 @@ def run(scenario: dict, model_dir: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from .vllm_side import serve_spec
-
     return serve_spec(argv, run, __doc__)  # worker processes stay on: tensor parallelism needs them
 
 

@@ -25,7 +25,7 @@ import traceback
 from .workload import WARMUP, prompt_of
 
 
-def _counters(llm) -> dict[str, float]:
+def counters(llm) -> dict[str, float]:
     """Every counter of ``LLM.get_metrics()``, summed over its labels."""
     out: dict[str, float] = {}
     for m in llm.get_metrics():
@@ -90,9 +90,9 @@ def run(scenario: dict, model_dir: str) -> dict:
     done: dict = {}
     result["phases"] = []
     for phase in scenario["phases"]:
-        before = _counters(llm)
+        before = counters(llm)
         rec = _run_phase(llm, phase, params_of, done)
-        after = _counters(llm)
+        after = counters(llm)
         rec["counters"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
         done.update(rec["requests"])
         result["phases"].append(rec)
