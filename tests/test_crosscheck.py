@@ -137,6 +137,23 @@ def test_against_a_record_finds_what_moved(record):
         ("vllm", "serving", 1, sorted(moved["vllm"]["serving"]["phases"][1]["requests"])[0])}
 
 
+def test_kvlibs_fp8_rows_are_compared_by_count_across_machines(record):
+    """kvlib's FP8 tokens part between CPUs (an AVX-512 EPYC parted 2 of 8 rows from the record's machine):
+    their count is a fact, their values are not; vLLM's FP8 rows and every fp32 row still are."""
+    from kvlib.crosscheck.__main__ import _facts
+
+    other_cpu = copy.deepcopy(record)
+    _first(other_cpu, "kvlib", "fp8", 0)["tokens"][5] += 1
+    assert _facts(other_cpu) == _facts(record)
+    shorter = copy.deepcopy(record)
+    _first(shorter, "kvlib", "fp8", 0)["tokens"].pop()
+    assert _facts(shorter) != _facts(record)
+    for side, name in (("vllm", "fp8"), ("kvlib", "mixed")):
+        moved = copy.deepcopy(record)
+        _first(moved, side, name, 0)["tokens"][5] += 1
+        assert _facts(moved) != _facts(record), (side, name)
+
+
 def test_a_scenario_vllm_refused_here_is_left_out_and_nothing_else(record):
     """A CPU without AVX-512 or AMX: vLLM refuses its FP8 cache, so that scenario cannot be compared with a
     record made where it ran; every other fact still is, and a report's status never is."""
