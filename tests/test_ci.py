@@ -130,3 +130,40 @@ def test_without_a_cache_or_beside_a_real_folder_it_changes_nothing(tmp_path):
     link.mkdir()
     out = _sh(CI / "envcache", link, CI / "floors.txt", env={"KVLIB_ENV_CACHE": str(tmp_path / "c")}).stdout
     assert "used as it is" in out and link.is_dir() and not link.is_symlink()
+
+
+def _checkout_with_once(tmp_path: Path, kvlib_at: Path) -> tuple[Path, Path]:
+    """A stand-in checkout holding scripts/once.sh, and an interpreter whose kvlib is the one at ``kvlib_at``."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "once.sh").write_bytes((ROOT / "scripts" / "once.sh").read_bytes())
+    (repo / "scripts" / "once.sh").chmod(0o755)
+    (repo / "requirements.txt").write_text("pkg==1\n")
+    for where in (repo, kvlib_at):
+        (where / "kvlib").mkdir(parents=True, exist_ok=True)
+        (where / "kvlib" / "__init__.py").write_text("")
+    py = tmp_path / "python"  # takes once.sh's `-I -c CODE` and runs CODE with that kvlib importable
+    py.write_text(f'#!/bin/sh\nshift\nPYTHONPATH="{kvlib_at}" exec python3 -P "$@"\n')
+    py.chmod(0o755)
+    return repo, py
+
+
+def test_an_install_runs_once_per_checkout_and_again_when_its_inputs_change(tmp_path):
+    repo, py = _checkout_with_once(tmp_path, tmp_path / "repo")
+    once = [repo / "scripts" / "once.sh", "setup", py, repo / "requirements.txt", "--", "echo", "installed"]
+    assert _sh(*once).stdout == "installed\n"
+    assert _sh(*once).stdout == ""  # stamped, and kvlib is this checkout's: nothing to do
+    (repo / "requirements.txt").write_text("pkg==2\n")
+    os.utime(repo / "_build" / ".ready-setup", (1e9, 1e9))  # the stamp older than the new pin
+    assert _sh(*once).stdout == "installed\n"
+    failed = _sh(*once[:5], "false", check=False)  # stamped already: not run
+    assert failed.returncode == 0
+
+
+def test_an_install_runs_again_where_kvlib_is_another_checkouts(tmp_path):
+    repo, py = _checkout_with_once(tmp_path, tmp_path / "elsewhere")
+    once = [repo / "scripts" / "once.sh", "setup", py, repo / "requirements.txt", "--", "echo", "installed"]
+    assert _sh(*once).stdout == "installed\n"
+    assert _sh(*once).stdout == "installed\n"  # an editable install of another checkout: install here
+    failing = _sh(*once[:5], "false", check=False)
+    assert failing.returncode != 0  # a failed install stamps nothing and fails the target
