@@ -5,7 +5,7 @@
 # Usage: scripts/floors_env.sh [VENV]   (default .venv-floors). Safe to run again: it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${1:-.venv-floors}"
+venv="$(realpath -m "${1:-.venv-floors}")"  # a link kept by .ci/envcache: `python -m venv` refuses links
 py="$venv/bin/python"
 if [ ! -x "$py" ]; then
   python -m venv "$venv"

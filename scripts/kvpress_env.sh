@@ -5,7 +5,7 @@
 # The install took 1 min 52 s on a loaded 2-core machine (58 wheels, 1.4 GB, from the local package index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${1:-.venv-kvpress}"
+venv="$(realpath -m "${1:-.venv-kvpress}")"  # a link kept by .ci/envcache: `python -m venv` refuses links
 py="$venv/bin/python"
 if [ ! -x "$py" ]; then
   python -m venv "$venv"

@@ -4,7 +4,7 @@
 # Usage: scripts/vllm_env.sh [VENV]   (default .venv-vllm). Safe to run again: it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${1:-.venv-vllm}"
+venv="$(realpath -m "${1:-.venv-vllm}")"  # a link kept by .ci/envcache: `python -m venv` refuses links
 py="$venv/bin/python"
 if [ ! -x "$py" ]; then
   python -m venv "$venv"
