@@ -127,6 +127,19 @@ def test_citations_in_the_sites_author_year_style():
     assert bib_citations(bib) == {"a1": "Kwon et al., 2023", "b2": "Leviathan and Kalman, 2023"}
 
 
+def test_a_corporate_author_is_cited_by_its_whole_name():
+    """Braces make an author corporate: "[Team, 2025]" for Gemma Team, "(He and Lab, 2025)" and
+    "[authors, 2025]" were what the reader editions printed before."""
+    bib = ("@article{g,\n  author = {{Gemma Team}},\n  year = {2025}\n}\n"
+           "@misc{h,\n  author = {He, Horace and {Thinking Machines Lab}},\n  year = {2025},\n}\n"
+           "@misc{l,\n  author = {{The LMCache authors}},\n  year = {2025},\n}\n"
+           "@article{d,\n  author = {Dubey, Abhimanyu and others},\n  year = {2024},\n}\n"
+           "@misc{s,\n  author = {{Anderson and Brown Labs}},\n  year = {2023},\n}\n")
+    assert bib_citations(bib) == {"g": "Gemma Team, 2025", "h": "He and Thinking Machines Lab, 2025",
+                                  "l": "The LMCache authors, 2025", "d": "Dubey et al., 2024",
+                                  "s": "Anderson and Brown Labs, 2023"}
+
+
 def test_a_page_is_named_by_its_own_title_whatever_other_links_say(tmp_path):
     """A bare {doc} shows the page's title; a link elsewhere with words of its own must not
     decide what the reader edition calls the page (pages are read in name order)."""
