@@ -79,16 +79,44 @@ def test_every_glued_name_in_the_prose_is_computed_in_a_cell(path):
     md = "\n".join(source(c) for c in cells if c["cell_type"] == "markdown")
     code = "\n".join(source(c) for c in cells if c["cell_type"] == "code")
     used = set(re.findall(r"\{glue:(?:text|md|figure|any)?\}`([A-Za-z0-9_]+)", md))
-    defined = set(re.findall(r"glue\(\s*[\"']([A-Za-z0-9_]+)[\"']", code))
+    defined = set(glue_names(code))
     assert used, "the chapter glues no numbers into its prose"
     assert used <= defined, f"glued but never computed: {sorted(used - defined)}"
+
+
+GLUE_OPTIONS = {"display"}  # keywords of myst_nb.glue that are not names
+
+
+def glue_names(code: str) -> list[str]:
+    """The names a cell's code glues: ``glue("a", x)`` (myst_nb's) and ``kvlib.book.glue(a=x, b=y)``."""
+    import ast
+
+    try:
+        tree = ast.parse(without_magics(code))
+    except SyntaxError:
+        return re.findall(r"glue\(\s*[\"']([A-Za-z0-9_]+)[\"']", code)
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) != "glue":
+                continue
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names.append(node.args[0].value)
+            else:
+                names += [k.arg for k in node.keywords if k.arg and k.arg not in GLUE_OPTIONS]
+    return names
+
+
+def test_glue_names_reads_both_forms():
+    assert glue_names('glue("a", 1, display=False)\nkvlib.book.glue(b=2, c=3)\nglue(d=4)') == ["a", "b", "c", "d"]
 
 
 def glued_twice(code_cells: list[str]) -> list[str]:
     """Names that more than one code cell glues: the later cell overwrites what the prose quotes."""
     seen: dict[str, int] = {}
     for i, code in enumerate(code_cells):
-        for name in set(re.findall(r"glue\(\s*[\"']([A-Za-z0-9_]+)[\"']", code)):
+        for name in set(glue_names(code)):
             seen.setdefault(name, []).append(i)
     return sorted(name for name, where in seen.items() if len(where) > 1)
 
@@ -96,6 +124,7 @@ def glued_twice(code_cells: list[str]) -> list[str]:
 def test_the_glued_twice_check_can_fail():
     assert glued_twice(['glue("a", 1)', 'glue("b", 2)\nglue( "a", 3)']) == ["a"]
     assert glued_twice(['glue("a", 1)\nglue("a", 2)', 'glue("b", 1)']) == []  # one cell: its last value shows
+    assert glued_twice(['kvlib.book.glue(a=1)', 'kvlib.book.glue(b=2, a=3)']) == ["a"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -185,7 +214,7 @@ def quoted_before_glued(cells: list[dict]) -> list[str]:
     glued_at: dict[str, int] = {}
     for i, cell in enumerate(cells):
         if cell["cell_type"] == "code":
-            for name in re.findall(r"glue\(\s*[\"']([A-Za-z0-9_]+)[\"']", source(cell)):
+            for name in glue_names(source(cell)):
                 glued_at.setdefault(name, i)
     early = []
     for i, cell in enumerate(cells):

@@ -11,7 +11,8 @@
 
 These pull in matplotlib or ipywidgets, so ``import kvlib`` never imports them; import
 each on its own (``import kvlib.book.plot``). This package itself holds only `setup`,
-the one line every chapter starts with, and imports neither.
+the one line every chapter starts with, and `glue`, which hands a cell's numbers to the
+website's prose; it imports neither.
 """
 
 from __future__ import annotations
@@ -65,6 +66,38 @@ def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) 
         print(f"This runtime has a GPU ({torch.cuda.get_device_name(0)}); the chapter runs on the CPU, "
               "whose numbers it measures. kvlib runs on the GPU as well: "
               "kvlib.load_smollm2(device='cuda') puts the model there.")
+
+
+def glue(**numbers: float) -> None:
+    """Hand a cell's numbers to the website's prose: ``kvlib.book.glue(ch4_gb=gb, ch4_n=n)``.
+
+    Each keyword becomes a name the page's text quotes as ``{glue:text}`ch4_gb:.1f```; the
+    cell shows nothing more (the numbers it prints are the reader's own). Glue carries
+    *numbers*: an int or a float (numpy's too), or a short string of numbers such as
+    ``"2 of 3"`` or ``"0, 1 and 11"``. Words chosen from a measurement ("faster",
+    "identical to") belong in the prose, which says what each value would mean, so a
+    string with words in it is a ``TypeError``, and so is a bool.
+    """
+    from myst_nb import glue as _glue
+
+    for name, value in _checked(numbers).items():
+        _glue(name, value, display=False)
+
+
+def _checked(values: dict) -> dict:
+    """``values`` if every one is a number or a string of numbers; else a TypeError naming it."""
+    import numbers
+    import re
+
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+            raise TypeError(f"glue carries numbers: {name}={value!r} is a {type(value).__name__}; "
+                            "pass an int or a float (float(x) for a tensor) and say the words in the prose")
+        words = re.findall(r"[A-Za-z]{3,}", value) if isinstance(value, str) else []
+        if [w for w in words if w != "and"]:
+            raise TypeError(f"glue carries numbers, not words: {name}={value!r}; "
+                            "put the words in the prose, which can say what each value would mean")
+    return values
 
 
 def _sharp_figures() -> None:

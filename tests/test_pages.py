@@ -1,0 +1,133 @@
+"""One idea per page, and code that computes (issue 43).
+
+A page holds about 4,500 words of prose at most: past that it becomes numbered sections
+(9.1, 9.2, ...). Its code shows the computation and prints its numbers; handing numbers to
+the website's prose (`glue`) and building English sentences from measurements are
+plumbing, which a learner in Jupyter or Colab reads too, so together they stay within 5% of
+a page's code lines. A page that does not yet meet a budget is named in ``EXCEPTIONS`` with
+its reason; the test fails as soon as it meets it, so the exception is then removed.
+"""
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from test_book import without_magics
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "book").glob("*.ipynb"))
+MAX_WORDS = 4_500
+MAX_PLUMBING = 0.05
+
+# page stem -> (budget it does not meet yet, why)
+EXCEPTIONS: dict[str, tuple[str, str]] = {}
+
+
+def source(cell: dict) -> str:
+    s = cell["source"]
+    return "".join(s) if isinstance(s, list) else s
+
+
+def prose_words(markdown: str) -> int:
+    """Words a reader reads: no code fences, no display math, no directive options; a role
+    (``{glue:text}`x```, ``{doc}`ch04```) is one word."""
+    text = re.sub(r"^(`{3,}|:{3,}).*$", "", markdown, flags=re.M)  # fence lines, not their bodies
+    text = re.sub(r"\$\$.*?\$\$", " ", text, flags=re.S)
+    text = re.sub(r"\{[a-z:-]+\}`[^`]*`", " X ", text)
+    text = re.sub(r"^:[a-z-]+:.*$|^\([^()\s]+\)=\s*$", "", text, flags=re.M)
+    return len(re.findall(r"[A-Za-z0-9][\w'’.,-]*", text))
+
+
+def _wordy(node: ast.AST) -> bool:
+    """A string literal or f-string with two or more words in it: a sentence being built."""
+    parts = [node.value] if isinstance(node, ast.Constant) else (
+        [v.value for v in node.values if isinstance(v, ast.Constant)] if isinstance(node, ast.JoinedStr) else [])
+    return any(isinstance(p, str) and len(re.findall(r"[A-Za-z]{2,}", p)) >= 2 for p in parts)
+
+
+def plumbing_lines(code: str) -> set[int]:
+    """Lines of one cell that glue values or choose words from a value: every line of a
+    ``glue(...)`` call; every line of a conditional expression with a sentence in a branch
+    (``"faster" if r > 1 else "slower"``); every line of an ``if`` whose branches only assign
+    sentences (a verdict picked from a measurement)."""
+    try:
+        tree = ast.parse(without_magics(code))
+    except SyntaxError:
+        return set()
+    lines: set[int] = set()
+    span = lambda n: set(range(n.lineno, n.end_lineno + 1))  # noqa: E731
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) == "glue":
+                lines |= span(node)
+        elif isinstance(node, ast.IfExp) and (_wordy(node.body) or _wordy(node.orelse)):
+            lines |= span(node)
+        elif isinstance(node, ast.If):
+            branches = node.body + node.orelse
+            if branches and all(isinstance(b, (ast.Assign, ast.If)) for b in branches) and any(
+                    isinstance(b, ast.Assign) and _wordy(b.value) for b in branches):
+                lines |= span(node)
+    return lines
+
+
+def page_stats(path: Path) -> dict:
+    """Words of prose, lines of code (not blank, not comments; the hidden Colab install cell
+    left out), and of those the plumbing lines."""
+    cells = json.loads(path.read_text())["cells"]
+    words = code = plumbing = 0
+    for cell in cells:
+        text = source(cell)
+        if cell["cell_type"] == "markdown":
+            words += prose_words(text)
+        elif cell["cell_type"] == "code" and "remove-cell" not in cell["metadata"].get("tags", []):
+            real = {i + 1 for i, line in enumerate(text.splitlines())
+                    if line.strip() and not line.strip().startswith("#")}
+            code += len(real)
+            plumbing += len(plumbing_lines(text) & real)
+    return {"words": words, "code": code, "plumbing": plumbing,
+            "share": plumbing / code if code else 0.0}
+
+
+def test_the_plumbing_count_can_fail():
+    cell = ('r = t_a / t_b\n'
+            'word = "faster than" if r > 1 else "no faster than"\n'
+            'if r > 2:\n    verdict = "much faster, as the bytes say"\nelse:\n    verdict = f"only {r:.1f} times"\n'
+            'glue("x_ratio", r,\n     display=False)\n'
+            'kvlib.book.glue(x_t=t_a)\n'
+            'print(f"ratio {r:.2f}")\n')
+    assert plumbing_lines(cell) == {2, 3, 4, 5, 6, 7, 8, 9}
+    assert plumbing_lines('print(f"the step took {t:.1f} ms")\nx = "fp32" if fast else "bf16"\n') == set()
+
+
+def test_the_word_count_leaves_out_math_fences_and_options():
+    md = ("A cache of {glue:text}`ch4_gb:.1f` GB.\n\n$$\nx = 2 \\cdot L\n$$\n\n"
+          "```{exercise-start}\n:label: ch4-ex1\n```\nWork it out.\n")
+    assert prose_words(md) == 8
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
+def test_a_page_holds_one_idea_and_its_code_computes(path):
+    stats = page_stats(path)
+    failing = []
+    if stats["words"] > MAX_WORDS:
+        failing.append(f"words: {stats['words']:,} words of prose, over {MAX_WORDS:,}: split it into sections")
+    if stats["share"] > MAX_PLUMBING:
+        failing.append(f"plumbing: {stats['plumbing']} of {stats['code']} code lines ({stats['share']:.1%}) glue "
+                       "values or build sentences, over 5%: print the numbers, and let the prose interpret them")
+    allowed = EXCEPTIONS.get(path.stem)
+    kinds = {f.split(":")[0] for f in failing}
+    if allowed:
+        assert allowed[0] in kinds, (f"{path.stem} now meets its {allowed[0]} budget ({stats}): "
+                                     "remove its entry from EXCEPTIONS")
+        kinds.discard(allowed[0])
+    assert not kinds, "; ".join(f for f in failing if f.split(":")[0] in kinds)
+
+
+def test_every_exception_names_a_page_a_budget_and_a_reason():
+    stems = {p.stem for p in PAGES}
+    for stem, (budget, why) in EXCEPTIONS.items():
+        assert stem in stems and budget in ("words", "plumbing") and len(why) > 20, stem
