@@ -131,3 +131,36 @@ def test_every_exception_names_a_page_a_budget_and_a_reason():
     stems = {p.stem for p in PAGES}
     for stem, (budget, why) in EXCEPTIONS.items():
         assert stem in stems and budget in ("words", "plumbing") and len(why) > 20, stem
+
+
+# -- the back-matter page about the book's machinery names every stored record truly -----------------
+def record_rows(page: str) -> dict[str, str]:
+    """``{"vllm_cpu.json": "<its table row>"}`` from the records table of book/checks.md."""
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w.]+\.json)` \|.*$", page, re.M)}
+
+
+def record_facts(record: dict) -> list[str]:
+    """What the page must say of a record: its date, and the versions of the engines it ran."""
+    machine = record.get("machine", {})
+    facts = [machine["date"][:10]] if "date" in machine else [machine.get("capability", "?")]
+    facts += [v for k, v in record.get("versions", {}).items() if k in ("kvpress", "transformers")]
+    if "vllm_version" in record:
+        facts.append(record["vllm_version"])
+    return facts
+
+
+def test_the_checks_page_names_each_record_its_run_and_date():
+    page = (ROOT / "book" / "checks.md").read_text()
+    rows = record_rows(page)
+    records = sorted(p for p in (ROOT / "kvlib" / "data").glob("*.json"))
+    assert sorted(rows) == [p.name for p in records], "the table should list exactly kvlib/data's records"
+    for path in records:
+        for fact in record_facts(json.loads(path.read_text())):
+            assert fact in rows[path.name], f"{path.name}: the page's row does not say {fact!r}"
+
+
+def test_the_record_check_can_fail():
+    page = "| `a.json` | x | y | vLLM 0.31.0, 2026-12-02 |\n"
+    assert record_rows(page) == {"a.json": page.strip()}
+    facts = record_facts({"machine": {"date": "2026-12-03T10:00"}, "vllm_version": "0.32.0"})
+    assert facts == ["2026-12-03", "0.32.0"] and not all(f in page for f in facts)
