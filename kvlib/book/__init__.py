@@ -74,13 +74,18 @@ def glue(**numbers: float) -> None:
     Each keyword becomes a name the page's text quotes as ``{glue:text}`ch4_gb:.1f```; the
     cell shows nothing more (the numbers it prints are the reader's own). Glue carries
     *numbers*: an int or a float (numpy's too), or a short string of numbers such as
-    ``"2 of 3"`` or ``"0, 1 and 11"``. Words chosen from a measurement ("faster",
+    ``"2 of 3"`` or ``"0, 1 and 11"``; numpy's scalars are glued as Python's, whose text
+    the prose's format spec (``:.1f``) reads. Words chosen from a measurement ("faster",
     "identical to") belong in the prose, which says what each value would mean, so a
     string with words in it is a ``TypeError``, and so is a bool.
     """
+    import numbers as _numbers
+
     from myst_nb import glue as _glue
 
     for name, value in _checked(numbers).items():
+        if type(value) not in (int, float, str):  # numpy's scalars: their repr is np.float64(...)
+            value = int(value) if isinstance(value, _numbers.Integral) else float(value)
         _glue(name, value, display=False)
 
 
