@@ -15,7 +15,8 @@ another, each on its own roof, plus the fixed cost of launching them::
 A spec-sheet `Hardware` preset knows only its bandwidth and peaks, so its matmul
 roof is the ideal ``min(peak, rows * 2 / dtype_bytes * bandwidth)``; `measure`
 profiles the machine you run on, and records what its kernels actually attain.
-Bandwidths are bytes/s, peaks FLOP/s, memory bytes (decimal units, as spec sheets).
+Bandwidths are bytes/s and peaks FLOP/s, in the spec sheets' decimal units; memory is bytes,
+and an HBM GPU's "80 GB" is binary: 80 GiB, 80 * 2**30 = 85.9e9 bytes (see `HARDWARE`).
 """
 
 from __future__ import annotations
@@ -187,21 +188,24 @@ def step_time(config: ModelConfig, hw: Hardware, batch: int = 1, context: int = 
 
 
 # -- spec sheets --------------------------------------------------------------------------------
-# Dense peaks (NVIDIA also quotes "with sparsity" figures, twice these). Bandwidth and memory
-# as the sheet states them, in decimal units.
+# Dense peaks (NVIDIA also quotes "with sparsity" figures, twice these). Bandwidths as the sheet
+# states them, in decimal units. HBM capacities are binary: the H100's "80 GB" is 80 GiB of HBM3,
+# 85.9e9 bytes, and the H200's "141 GB" 141 GiB. The T4's, L4's, RTX 4090's and
+# M2's GDDR and LPDDR figures are still the sheets' GB read as decimal bytes.
 _T = 1e12
+_GiB = 2**30
 HARDWARE: dict[str, Hardware] = {
     "h200": Hardware(
         "NVIDIA H200 SXM", 4.8e12, {"fp32": 67 * _T, "fp16": 989.4 * _T, "bf16": 989.4 * _T,
-                                    "fp8": 1978.9 * _T, "int8": 1978.9 * _T}, 141e9,
+                                    "fp8": 1978.9 * _T, "int8": 1978.9 * _T}, 141 * _GiB,
         "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (dense)"),
     "h100": Hardware(
         "NVIDIA H100 SXM", 3.35e12, {"fp32": 67 * _T, "fp16": 989.4 * _T, "bf16": 989.4 * _T,
-                                     "fp8": 1978.9 * _T, "int8": 1978.9 * _T}, 80e9,
+                                     "fp8": 1978.9 * _T, "int8": 1978.9 * _T}, 80 * _GiB,
         "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense)"),
     "a100": Hardware(
         "NVIDIA A100 80GB SXM", 2.039e12, {"fp32": 19.5 * _T, "fp16": 312 * _T, "bf16": 312 * _T,
-                                           "int8": 624 * _T}, 80e9,
+                                           "int8": 624 * _T}, 80 * _GiB,
         "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense)"),
     "l4": Hardware(
         "NVIDIA L4", 300e9, {"fp32": 30.3 * _T, "fp16": 121 * _T, "bf16": 121 * _T, "fp8": 242.5 * _T,

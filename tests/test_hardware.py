@@ -99,6 +99,13 @@ def test_every_preset_has_a_source_and_positive_numbers(key):
         assert hw.attainable(hw.ridge(dt) * 2, dt) == peak
 
 
+def test_hbm_capacities_are_binary():
+    """An "80 GB" H100 has 80 GiB of HBM, 85.9e9 bytes: the sheets' GB is binary for memory."""
+    assert HARDWARE["h100"].memory == HARDWARE["a100"].memory == 80 * 2**30
+    assert HARDWARE["h200"].memory == 141 * 2**30
+    assert round(HARDWARE["h100"].memory / 1e9, 1) == 85.9
+
+
 def test_a_preset_predicts_the_ideal_roofline():
     c, hw = PRESETS["llama-3-8b"], HARDWARE["h100"]
     b, f = cost.step_bytes(c, 1, 1000, dtype="fp16"), cost.step_flops(c, 1, 1000)
