@@ -188,10 +188,9 @@ def step_time(config: ModelConfig, hw: Hardware, batch: int = 1, context: int = 
 
 
 # -- spec sheets --------------------------------------------------------------------------------
-# Dense peaks (NVIDIA also quotes "with sparsity" figures, twice these). Bandwidths as the sheet
-# states them, in decimal units. HBM capacities are binary: the H100's "80 GB" is 80 GiB of HBM3,
-# 85.9e9 bytes, and the H200's "141 GB" 141 GiB. The T4's, L4's, RTX 4090's and
-# M2's GDDR and LPDDR figures are still the sheets' GB read as decimal bytes.
+# Dense peaks (NVIDIA also quotes "with sparsity" figures, twice these); bandwidths in the sheets'
+# decimal units. HBM capacities are binary (an H100's "80 GB" is 80 GiB, 85.9e9 bytes); the T4's,
+# L4's, RTX 4090's and M2's GDDR and LPDDR figures are the sheets' GB read as decimal bytes.
 _T = 1e12
 _GiB = 2**30
 HARDWARE: dict[str, Hardware] = {
