@@ -14,8 +14,9 @@ NIXL-based connectors make between GPUs.
   layers ``i + 1 ...`` compute (vLLM's connector API has the same two halves:
   ``save_kv_layer`` inside each attention layer, ``wait_for_save`` at the end). With
   ``overlap=False`` the sender starts only after the whole prefill.
-- **The link.** Loopback between two processes moves gigabytes a second, far faster than
-  any network between machines. ``link_gb_s`` emulates a slower link (the sender waits
+- **The link.** Loopback between two processes moves bulk data at gigabytes a second, but
+  the cache goes as one gloo send per layer, and each message's fixed cost can dominate
+  (chapter 13.1's run: well under 1 GB/s for 60 sends of 11.8 MB). ``link_gb_s`` emulates a slower link (the sender waits
   ``bytes / rate`` before each send, as the wire would); None sends at loopback speed.
 - **The decode worker** receives every layer into an ordinary kvlib cache, then the first
   token (the prefill's own), and continues with `kvlib.generate` on that cache. The keys
