@@ -16,7 +16,7 @@ NIXL-based connectors make between GPUs.
   ``overlap=False`` the sender starts only after the whole prefill.
 - **The link.** Loopback between two processes moves bulk data at gigabytes a second, but
   the cache goes as one gloo send per layer, and each message's fixed cost can dominate
-  (chapter 13.1's run: well under 1 GB/s for 60 sends of 11.8 MB). ``link_gb_s`` emulates a slower link (the sender waits
+  (chapter 13.1's run: well under 1 GB/s for 60 sends, 11.8 MB in all). ``link_gb_s`` emulates a slower link (the sender waits
   ``bytes / rate`` before each send, as the wire would); None sends at loopback speed.
 - **The decode worker** receives every layer into an ordinary kvlib cache, then the first
   token (the prefill's own), and continues with `kvlib.generate` on that cache. The keys
