@@ -164,3 +164,12 @@ def test_the_record_check_can_fail():
     assert record_rows(page) == {"a.json": page.strip()}
     facts = record_facts({"machine": {"date": "2026-12-03T10:00"}, "vllm_version": "0.32.0"})
     assert facts == ["2026-12-03", "0.32.0"] and not all(f in page for f in facts)
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
+def test_a_page_glues_through_kvlib_book_glue_only(path):
+    """`kvlib.book.glue` refuses sentences; myst_nb's own glue would take them."""
+    cells = json.loads(path.read_text())["cells"]
+    code = "\n".join(source(c) for c in cells if c["cell_type"] == "code")
+    assert not re.search(r"^\s*(from myst_nb import|import myst_nb)", code, re.M), \
+        "glue numbers with kvlib.book.glue(name=value), not myst_nb's glue"
