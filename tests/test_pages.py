@@ -32,37 +32,84 @@ def source(cell: dict) -> str:
 
 
 def prose_words(markdown: str) -> int:
-    """Words a reader reads: no code fences, no display math, no directive options; a role
-    (``{glue:text}`x```, ``{doc}`ch04```) is one word."""
+    """Words a reader reads, counted as ``wc -w`` counts them: every whitespace-separated run
+    of the Markdown, roles (``{glue:text}`x```, ``{doc}`ch04```) and inline math included;
+    only display math and the fence and option lines of directives are left out."""
     text = re.sub(r"^(`{3,}|:{3,}).*$", "", markdown, flags=re.M)  # fence lines, not their bodies
     text = re.sub(r"\$\$.*?\$\$", " ", text, flags=re.S)
-    text = re.sub(r"\{[a-z:-]+\}`[^`]*`", " X ", text)
     text = re.sub(r"^:[a-z-]+:.*$|^\([^()\s]+\)=\s*$", "", text, flags=re.M)
-    return len(re.findall(r"[A-Za-z0-9][\w'’.,-]*", text))
+    return len(text.split())
+
+
+SAYS = {"print", "say", "display", "Markdown", "HTML"}  # calls that put text in front of a reader
+DRAWS = {"set_xlabel", "set_ylabel", "set_title", "suptitle", "legend", "annotate", "text",
+         "set_xticklabels", "set_yticklabels", "set", "xlabel", "ylabel", "title"}  # a figure's own text
+
+
+def _words(node: ast.AST) -> int:
+    """The most words (two or more letters) in one literal run of a string or f-string: a label
+    has three at most ("tokens per s", "cache share:"); four or more build a sentence."""
+    runs = [node.value] if isinstance(node, ast.Constant) else (
+        [v.value for v in node.values if isinstance(v, ast.Constant)] if isinstance(node, ast.JoinedStr) else [])
+    return max((len(re.findall(r"[A-Za-z]{2,}", r)) for r in runs if isinstance(r, str)), default=0)
 
 
 def _wordy(node: ast.AST) -> bool:
-    """A string literal or f-string with two or more words in it: a sentence being built."""
-    parts = [node.value] if isinstance(node, ast.Constant) else (
+    """A string literal or f-string with two or more words in it: a word being chosen."""
+    runs = [node.value] if isinstance(node, ast.Constant) else (
         [v.value for v in node.values if isinstance(v, ast.Constant)] if isinstance(node, ast.JoinedStr) else [])
-    return any(isinstance(p, str) and len(re.findall(r"[A-Za-z]{2,}", p)) >= 2 for p in parts)
+    return any(isinstance(r, str) and len(re.findall(r"[A-Za-z]{2,}", r)) >= 2 for r in runs)
+
+
+def _call_name(node: ast.Call) -> str | None:
+    f = node.func
+    return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+
+
+def sentence_lines(tree: ast.AST) -> set[int]:
+    """Lines that build an English sentence around values: an f-string with four or more words
+    in one literal run, or such a string printed. Left out: docstrings, assert and error
+    messages (they speak only when a check fails), and a figure's labels and titles."""
+    parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        f_string = isinstance(node, ast.JoinedStr) and any(isinstance(v, ast.FormattedValue) for v in node.values)
+        literal = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if not (f_string or literal) or isinstance(parent.get(node), (ast.JoinedStr, ast.Expr)):
+            continue  # a piece of an f-string, or a docstring
+        if _words(node) < 4:
+            continue
+        said, skip, up, statement = False, False, parent.get(node), node
+        while up is not None:
+            if statement is node and isinstance(up, (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return)):
+                statement = up  # the whole statement that builds or prints the sentence
+            skip |= isinstance(up, (ast.Assert, ast.Raise)) or (
+                isinstance(up, ast.keyword) and up.arg in ("label", "title", "xlabel", "ylabel"))
+            if isinstance(up, ast.Call):
+                skip |= _call_name(up) in DRAWS
+                said |= _call_name(up) in SAYS
+            up = parent.get(up)
+        if not skip and (f_string or said):
+            lines |= set(range(statement.lineno, statement.end_lineno + 1))
+    return lines
 
 
 def plumbing_lines(code: str) -> set[int]:
-    """Lines of one cell that glue values or choose words from a value: every line of a
-    ``glue(...)`` call; every line of a conditional expression with a sentence in a branch
-    (``"faster" if r > 1 else "slower"``); every line of an ``if`` whose branches only assign
-    sentences (a verdict picked from a measurement)."""
+    """Lines of one cell that glue values, choose words from a value, or build sentences:
+    every line of a ``glue(...)`` call; every line of a conditional expression with words in
+    a branch (``"faster" if r > 1 else "slower"``); every line of an ``if`` whose branches only
+    assign sentences (a verdict picked from a measurement); and every line of a printed
+    sentence (``print(f"decode ran {r:.1f} times as fast")``: print ``"decode / prefill:"``
+    and the number, and let the prose say what it means)."""
     try:
         tree = ast.parse(without_magics(code))
     except SyntaxError:
         return set()
-    lines: set[int] = set()
+    lines = sentence_lines(tree)
     span = lambda n: set(range(n.lineno, n.end_lineno + 1))  # noqa: E731
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
-            f = node.func
-            if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) == "glue":
+            if _call_name(node) == "glue":
                 lines |= span(node)
         elif isinstance(node, ast.IfExp) and (_wordy(node.body) or _wordy(node.orelse)):
             lines |= span(node)
@@ -100,13 +147,25 @@ def test_the_plumbing_count_can_fail():
             'kvlib.book.glue(x_t=t_a)\n'
             'print(f"ratio {r:.2f}")\n')
     assert plumbing_lines(cell) == {2, 3, 4, 5, 6, 7, 8, 9}
-    assert plumbing_lines('print(f"the step took {t:.1f} ms")\nx = "fp32" if fast else "bf16"\n') == set()
+    said = ('print(f"decode ran {r:.1f} times as fast as prefill")\n'
+            'print("the cache holds every token seen:",\n      n)\n'
+            'msg = f"{n} tokens, of which {k} are in the cache"\n')
+    assert plumbing_lines(said) == {1, 2, 3, 4}
+    labels = ('print(f"step: {t:.1f} ms")\nx = "fp32" if fast else "bf16"\n'
+              'print(f"{name:>12} {r:6.2f}")\nprint("decode / prefill:", r)\n'
+              'assert r > 1, f"decode should be faster than this: {r}"\n'
+              'ax.set_title(f"the cache of every layer at batch {b}")\n'
+              'ax.plot(x, y, label=f"tokens the cache holds at {b}")\n'
+              'def f():\n    \"\"\"A docstring of many words is no sentence built.\"\"\"\n'
+              'chat = [{"role": "user", "content": "Name three planets of the solar system."}]\n')
+    assert plumbing_lines(labels) == set()
 
 
-def test_the_word_count_leaves_out_math_fences_and_options():
+def test_the_word_count_leaves_out_display_math_fences_and_options():
     md = ("A cache of {glue:text}`ch4_gb:.1f` GB.\n\n$$\nx = 2 \\cdot L\n$$\n\n"
           "```{exercise-start}\n:label: ch4-ex1\n```\nWork it out.\n")
-    assert prose_words(md) == 8
+    assert prose_words(md) == 8  # "A cache of", the role, "GB.", "Work it out."
+    assert prose_words("The cost is $2 \\cdot L$ bytes.") == 7
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
