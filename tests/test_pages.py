@@ -1,12 +1,13 @@
 """One idea per page, and code that computes (issue 43).
 
-A page holds about 4,500 words of prose at most: past that it becomes numbered sections
-(9.1, 9.2, ...). Its code shows the computation and prints its numbers; handing numbers to
-the website's prose (`glue`) and building English sentences from measurements are
-plumbing, which a learner in Jupyter or Colab reads too, so together they stay within 5% of
-a page's code lines. A page that does not yet meet a budget is named in ``EXCEPTIONS`` with
-its reason; the test fails as soon as it meets it, so the exception is then removed.
-"""
+A page holds about 4,500 words of prose at most, counted as ``wc -w`` counts them: past that
+it becomes numbered sections (9.1, 9.2, ...). Its code shows the computation and prints its
+numbers, each with a short label or in a table; handing numbers to the website's prose
+(`glue`), choosing words from a measurement, and printing English sentences around values
+are plumbing, which a learner in Jupyter or Colab reads too, so together they stay within
+5% of a page's code lines. A page that does not yet meet a budget is named in
+``EXCEPTIONS`` with its reason; the test fails as soon as it meets it, so the exception is
+then removed."""
 
 import ast
 import json
