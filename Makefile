@@ -2,7 +2,7 @@
 # `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup ready vllm-ready kvpress-ready vendor book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck floors
+.PHONY: setup ready vllm-ready kvpress-ready book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck floors
 
 # The chapters use every core, and `make test` runs two notebooks at once: more OpenMP threads than cores. Spinning
 # threads then wait on each other (a 0.15 s forward took 1-2 s on a loaded 2-core machine); passive waits change no
@@ -16,10 +16,7 @@ setup:
 ready:
 	@./scripts/once.sh setup $(PY) requirements.txt pyproject.toml -- $(MAKE) --no-print-directory setup
 
-vendor:
-	./scripts/vendor_js.sh
-
-book: ready vendor
+book: ready
 	rm -rf _build/html  # Sphinx does not overwrite a changed static file; the executed notebooks stay cached in _build/.jupyter_cache
 	$(PY) -m kvlib.book.web js/explorers-data.json  # the explorers' presets and tables, from kvlib itself
 	.ci/phase book jupyter-book build -W -n --keep-going .  # .ci/phase: timed for CI's table

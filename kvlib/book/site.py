@@ -14,10 +14,10 @@ Listed in ``_config.yml``'s ``extra_extensions``. It mends five things, each at 
 3. **No script twice.** Sphinx 7 replays inline scripts added after the builder started
    (sphinx-thebe's ``THEBE_JS_URL``, sphinx-togglebutton's selector), and a ``const``
    declared twice throws on every page. Repeats are dropped, the first kept.
-4. **No widget runtime where no widget shows.** myst-nb loads the 4.4 MB ipywidgets
-   runtime on any page whose notebook stored widget state, even when every widget output
-   is removed (chapter 4's panel, whose place the live explorer takes; chapter 2's
-   progress bars). It is dropped from pages that render no widget view.
+4. **No widget state or runtime.** myst-nb adds ipywidgets' stored state, and its runtime's
+   scripts, to any page whose notebook stored widget state (chapter 4's panel, whose place
+   the live explorer takes; chapter 2's progress bars), though no page renders a widget
+   view. They are dropped; `kvlib.book.lean` fails the build on a page that renders one.
 5. **A first visit logs no error.** With no ``default_mode`` set, pydata-sphinx-theme
    stores an empty theme mode for a browser that has never chosen one, then logs
    "Got invalid theme mode" on every page. The default is "auto" (follow the system).
@@ -26,6 +26,18 @@ Listed in ``_config.yml``'s ``extra_extensions``. It mends five things, each at 
    uncached disagree", 2.12) would sit in a collapsed branch of the sidebar on every other
    page; ``show_navbar_depth`` 2 lists it open, at the ``config-inited`` event (setting it in
    ``_config.yml`` would replace the theme options Jupyter Book derives from that file).
+
+7. **A page filed under a chapter is lettered, not numbered after its headings.** Sphinx
+   numbers such a page as the chapter's next section: chapter 2 has eleven sections, so
+   its page on numerics was "2.12", and the sidebar showed "2.12" under "2" as if 2.1-2.11
+   were missing. The pages under a chapter are now "2A", "10A", "10B"..., their sections
+   "2A.1", ..., at the ``env-get-updated`` event, after Sphinx has numbered them (figures
+   keep the chapter's count: "Fig. 2.13" is on page 2A).
+
+8. **The root page has the site's icon.** The ``index.html`` that sends a browser from
+   the site's root to the landing page was one ``<meta>`` line (sphinx-external-toc's), so
+   the browser asked for a ``/favicon.ico`` that does not exist. It is now a small page with
+   the title, the icon and a link, written before that extension would write its own.
 
 The sidebar buttons are mended in ``js/site.js`` (pydata-sphinx-theme issue #2451).
 """
@@ -46,7 +58,6 @@ def _edition(app, pagename: str) -> Path | None:
 # The download menu's items, labelled for what they give (sphinx-book-theme says ".ipynb", ".pdf").
 NOTEBOOK_LABEL = ".ipynb (no outputs: run it)"
 PRINT_LABEL = "Print or save as PDF"
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def point_buttons(app, pagename: str, templatename: str, context: dict, doctree) -> None:
@@ -94,14 +105,13 @@ def drop_repeated_scripts(app, pagename: str, templatename: str, context: dict, 
     scripts[:] = kept
 
 
-def drop_unused_widget_runtime(app, pagename: str, templatename: str, context: dict, doctree) -> None:
-    """Before myst-nb adds its per-page scripts (priority 500), forget the widget ones if no
-    widget view is on the page (4. in the module docstring)."""
+def drop_widget_runtime(app, pagename: str, templatename: str, context: dict, doctree) -> None:
+    """Before myst-nb adds its per-page scripts (priority 500), forget the widget ones
+    (4. in the module docstring)."""
     meta = getattr(app.env, "nb_metadata", {}).get(pagename, {})
     js_files = meta.get("js_files", {})
-    if WIDGET_VIEW in context.get("body", "") or not any(k.startswith("ipywidgets") for k in js_files):
-        return
-    meta["js_files"] = {k: v for k, v in js_files.items() if not k.startswith("ipywidgets")}
+    if any(k.startswith("ipywidgets") for k in js_files):
+        meta["js_files"] = {k: v for k, v in js_files.items() if not k.startswith("ipywidgets")}
 
 
 def copy_editions(app, exception) -> None:
@@ -120,9 +130,52 @@ def open_navbar(app, config) -> None:
     config.html_theme_options = {**config.html_theme_options, "show_navbar_depth": 2}
 
 
+def letter_filed_pages(app, env) -> list[str]:
+    """7: renumber the pages filed under a chapter, (2, 12, ...) -> ("2A", ...), everywhere
+    Sphinx keeps a section number: the page's numbers, its title and its table of contents
+    (which the sidebar and the previous/next links copy)."""
+    from docutils import nodes
+
+    filed = sorted((nums[""], doc) for doc, nums in env.toc_secnumbers.items() if len(nums.get("", ())) == 2)
+    letters: dict[tuple, str] = {}
+    for (chapter, k), _doc in filed:
+        n = sum(1 for key in letters if key[0] == chapter)
+        letters[(chapter, k)] = f"{chapter}{chr(ord('A') + n)}"
+
+    def renumber(number):
+        key = tuple(number[:2]) if number is not None and len(number) >= 2 else None
+        return (letters[key], *number[2:]) if key in letters else number
+
+    for _, doc in filed:
+        env.toc_secnumbers[doc] = {a: renumber(n) for a, n in env.toc_secnumbers[doc].items()}
+        for node in [*env.tocs[doc].findall(nodes.reference), env.titles.get(doc)]:
+            if node is not None and node.get("secnumber"):
+                node["secnumber"] = list(renumber(node["secnumber"]))
+    return []
+
+
+def write_root_redirect(app, exception) -> None:
+    """8: the site root's page, before sphinx-external-toc's (which skips an existing one)."""
+    if exception is not None or app.builder.format != "html":
+        return
+    from html import escape
+
+    target = f"{app.config.root_doc}.html"
+    icon = f"_static/{Path(app.config.html_favicon).name}" if app.config.html_favicon else ""
+    title = escape(app.config.html_title or app.config.project)
+    (Path(app.outdir) / "index.html").write_text(
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f"<title>{title}</title>\n"
+        + (f'<link rel="icon" href="{icon}">\n' if icon else "")
+        + f'<meta http-equiv="Refresh" content="0; url={target}">\n</head>\n'
+        f'<body><p><a href="{target}">{title}</a></p></body>\n</html>\n', encoding="utf-8")
+
+
 def setup(app) -> dict:
+    app.connect("build-finished", write_root_redirect, priority=400)
+    app.connect("env-get-updated", letter_filed_pages, priority=900)
     app.connect("config-inited", open_navbar)
-    app.connect("html-page-context", drop_unused_widget_runtime, priority=400)
+    app.connect("html-page-context", drop_widget_runtime, priority=400)
     app.connect("html-page-context", point_buttons, priority=600)
     app.connect("html-page-context", drop_repeated_scripts, priority=900)
     app.connect("build-finished", copy_editions)
