@@ -71,7 +71,7 @@ GROUPS = [
      "tensor parallelism, disaggregated prefill and decode, a disk tier, and the cluster's arithmetic"),
     ("support", "Book support and validation", [],
      ["kvlib.validate", "kvlib.book", "kvlib.book.plot", "kvlib.book.diagrams", "kvlib.book.explorer",
-      "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.apiref"],
+      "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.lean", "kvlib.book.apiref"],
      "the checks behind kvlib's clear errors, and what builds this book"),
 ]
 
