@@ -18,7 +18,7 @@ ready:
 
 book: ready
 	rm -rf _build/html  # Sphinx does not overwrite a changed static file; the executed notebooks stay cached in _build/.jupyter_cache
-	$(PY) -m kvlib.book.web js/explorers-data.json  # the explorers' presets and tables, from kvlib itself
+	$(PY) -m kvlib.book.web js/explorers-data.js  # the explorers' presets and tables, from kvlib itself
 	.ci/phase book jupyter-book build -W -n --keep-going .  # .ci/phase: timed for CI's table
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 

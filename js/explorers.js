@@ -1,7 +1,7 @@
 // The book's explorers, live in the reader's browser: no kernel, no network.
 //
 // A page asks for one with <div class="kv-explorer" data-explorer="cache|step|paging">.
-// Every number starts from explorers-data.json, which `python -m kvlib.book.web` writes at
+// Every number starts from explorers-data.js, which `python -m kvlib.book.web` writes at
 // build time from kvlib's own presets and tables. This file holds only the few
 // formulas, and each one names the kvlib function it mirrors; the browser test
 // (tests/test_explorers.py) checks them against kvlib on a grid of settings.
@@ -202,7 +202,7 @@
   // The roofline, log-log: attainable FLOP/s = min(peak, intensity × bandwidth), with the
   // ridge where the two roofs meet and the step as a dot on the roof.
   function roofline(w, t, peak, bw, label) {
-    const h = 230, left = 52, right = 10, top = 10, bottom = 40;
+    const h = 210, left = 52, right = 10, top = 10, bottom = 40;
     const xLo = -1, xHi = 4;  // 0.1 ... 10,000 FLOPs per byte
     const yHi = Math.ceil(Math.log10(peak / 1e12) + 0.2), yLo = yHi - 5;  // TFLOP/s decades
     const X = i => left + (w - left - right) * (Math.log10(i) - xLo) / (xHi - xLo);
@@ -296,6 +296,22 @@
     return parts.join(" + ") + (shared ? " (and 0 for " + count(shared, "shared layer") + ")" : "");
   }
 
+  // kvlib.book.explorer.kv_heads_apply: some layer stores K and V per head (not MLA's latent)
+  function headsApply(m) { return m.layers.some(k => k.kind !== "latent" && k.kind !== "shared"); }
+  // kvlib.book.explorer.limit_text: a context past the model's limit (its max_seq_len)
+  function limitText(m, s) {
+    return s <= m.max_seq_len ? "" : sep(s) + " tokens is past " + m.name + "'s context limit of " +
+      sep(m.max_seq_len) + " tokens (the longest it was trained for): the arithmetic holds, but the " +
+      "model is not made to serve it.";
+  }
+  // kvlib.book.explorer.heads_text: why the KV-heads control does nothing for an MLA model
+  function headsText(m) {
+    const latent = m.layers.find(k => k.kind === "latent");
+    return headsApply(m) || !latent ? "" : m.name + " caches one latent of " + sep(latent.size) +
+      " numbers per token in each layer (MLA), not keys and values per head: its number of KV heads " +
+      "does not change the cache.";
+  }
+
   function cacheExplorer(box, data) {  // mirrors kvlib.book.explorer.cache_report
     const form = el("form", { class: "kv-controls" });
     const models = Object.entries(data.models).map(([k, m]) => [k, m.name]);
@@ -306,6 +322,10 @@
     const heads = control(form, "KV heads per layer", [], 0);
     const gpu = control(form, "GPU memory (GiB)", data.gpus_gib.map(g => [g, sep(g)]), 80);
     const out = el("div", { class: "kv-outputs" });
+    // said only when true: a context past the model's limit, and why MLA has no heads to choose
+    const limit = el("p", { class: "kv-warning", "data-name": "limit", "aria-live": "polite" });
+    const headsNote = el("p", { class: "kv-note", "data-name": "heads_note", id: heads.id + "-why" });
+    out.append(limit, headsNote);
     note(out, "The cache is stored in the cache dtype; the weights stay in fp16.");
     const formula = el("p", { "data-name": "formula" });
     out.append(formula);
@@ -315,11 +335,19 @@
     const fig = figure(out, "Memory: the weights and the KV cache against the GPU");
     box.append(form, out);
     function refillHeads() {
-      const m = data.models[model.value];
-      setOptions(heads, m.kv_heads.map(h => [h, sep(h)]), m.n_kv_head);
+      const m = data.models[model.value], apply = headsApply(m);
+      // MLA caches one latent per token: no number of heads to choose, and the note says why
+      if (apply) setOptions(heads, m.kv_heads.map(h => [h, sep(h)]), m.n_kv_head);
+      else setOptions(heads, [["", "none (MLA)"]], "");
+      heads.disabled = !apply;
+      if (apply) heads.removeAttribute("aria-describedby");
+      else heads.setAttribute("aria-describedby", headsNote.id);
+      headsNote.textContent = headsText(m);
+      headsNote.hidden = apply;
     }
     function refresh() {
-      const m = Object.assign({}, data.models[model.value], { n_kv_head: Number(heads.value) });
+      const preset = data.models[model.value];
+      const m = Object.assign({}, preset, { n_kv_head: heads.disabled ? preset.n_kv_head : Number(heads.value) });
       const width = data.dtype_bytes[dtype.value], b = Number(batch.value), s = Number(ctx.value);
       const c = kvCacheBytes(m, s, b, width);
       // cache_report's weight_dtype="fp16"; a "shapes" preset's weights are not counted
@@ -333,6 +361,9 @@
       const ok = w + c <= g;
       show(fits, ok, (counted ? size(w + c) + ", which " : "the cache alone, which ") +
            (ok ? "fits" : "does not fit") + " in " + size(g));
+      box.classList.toggle("kv-overflow", !ok);  // "does not fit" in red, as in the step explorer
+      limit.textContent = limitText(m, s);
+      limit.hidden = !limit.textContent;
       const top = Math.max(w, c, g);
       const items = (counted ? [["weights", w, BLUE, size(w)]] : []).concat(
         [["KV cache", c, RED, size(c)], ["GPU memory", g, GREY, size(g)]]);
@@ -356,19 +387,25 @@
     const dtype = control(form, "dtype (weights and cache)", [], "bf16");
     const batch = control(form, "batch (sequences)", BATCHES.map(b => [b, sep(b)]), 1);
     const ctx = control(form, "context (tokens per sequence)", data.contexts.map(c => [c, sep(c)]), 4096);
+    // Controls and charts side by side where the box is wide enough, the numbers under both
+    // (explorers.css, .kv-side): a control moved shows its chart move, on a laptop's screen.
+    // On a phone they stack: the controls, then the charts, then the note and the numbers.
+    const side = el("div", { class: "kv-side" }), charts = el("div", { class: "kv-charts" });
+    const bytesFig = figure(charts, "Bytes read per decode step");
+    const roofFig = figure(charts, "");
+    const about = el("div", { class: "kv-about" });  // under the controls, beside the charts
+    note(about, "One decode step on the spec sheet's bandwidth and peak, with the weights and the " +
+                "cache both stored in the chosen dtype.");
     const out = el("div", { class: "kv-outputs" });
-    note(out, "One decode step on the spec sheet's bandwidth and peak, with the weights and the " +
-              "cache both stored in the chosen dtype.");
     const fits = output(out, "fits", "memory");
     const time = output(out, "step_seconds", "predicted decode step");
     const rate = output(out, "tokens_per_s", "tokens per second (the whole batch)");
     const share = output(out, "kv_share", "share of the step's bytes that is KV cache");
     const bound = output(out, "bound", "arithmetic intensity");
-    const bytesFig = figure(out, "Bytes read per decode step");
     note(out, "A step reads every weight matrix but only one row of the embedding table per " +
               "sequence, so it reads a little less than the weights hold.");
-    const roofFig = figure(out, "");
-    box.append(form, out);
+    side.append(form, charts, about, out);
+    box.append(side);
     function refillDtypes() {
       const listed = data.step_dtypes.filter(d => d in data.hardware[hw.value].peak_flops);
       const want = dtype.value || "bf16";  // keep the reader's choice where this hardware has it
@@ -467,17 +504,26 @@
 
   const EXPLORERS = { cache: cacheExplorer, step: stepExplorer, paging: pagingExplorer };
 
+  // The data is a script, explorers-data.js, that sets window.kvExplorerData (written by
+  // `python -m kvlib.book.web`). A script, not a JSON file to fetch: a page opened from disk
+  // (file://) may not fetch the file beside it, but it may run it. Added only to the pages that
+  // have an explorer, so no other page loads it.
   function start() {
     const boxes = document.querySelectorAll("div.kv-explorer[data-explorer]");
     if (!boxes.length) return;
+    const fail = why => boxes.forEach(box => { box.textContent = "The explorer could not load: " + why; });
     const root = document.documentElement.dataset.content_root || "./";
-    fetch(root + "_static/explorers-data.json")
-      .then(r => { if (!r.ok) throw new Error("explorers-data.json: HTTP " + r.status); return r.json(); })
-      .then(data => boxes.forEach(box => {
+    const script = el("script", { src: root + "_static/explorers-data.js" });
+    script.onload = () => {
+      const data = window.kvExplorerData;
+      if (!data) { fail("explorers-data.js set no data"); return; }
+      boxes.forEach(box => {
         EXPLORERS[box.dataset.explorer](box, data);
         box.dataset.ready = "true";
-      }))
-      .catch(err => boxes.forEach(box => { box.textContent = "The explorer could not load: " + err; }));
+      });
+    };
+    script.onerror = () => fail(script.src + " is missing (run `python -m kvlib.book.web`)");
+    document.head.append(script);
   }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
   else start();

@@ -133,3 +133,34 @@ def test_hybrid_report_has_one_term_per_kind():
 
     cfg = PRESETS["tiny"].replace(layers=[L.full(), L.shared(0)])
     assert report_html(cache_report(cfg, 1, 8)).count("(and 0 for 1 shared layer)") == 1
+
+
+def test_report_says_when_a_context_is_past_the_model():
+    """The widget says what the website's explorer says (tests/test_explorers.py checks they match)."""
+    from kvlib.book.explorer import limit_text, report_html
+
+    r = cache_report("llama-2-7b", 1, 8192)  # Llama-2-7B was trained for 4,096 tokens
+    assert r["max_seq_len"] == PRESETS["llama-2-7b"].max_seq_len == 4096
+    assert limit_text(r).startswith("8,192 tokens is past Llama-2-7B's context limit of 4,096 tokens")
+    assert limit_text(r) in report_html(r)
+    assert limit_text(cache_report("llama-2-7b", 1, 4096)) == ""  # at the limit: nothing to say
+    assert limit_text(cache_report("llama-3.1-8b", 1, 131072)) == ""
+
+
+def test_mla_has_no_heads_to_choose():
+    """DeepSeek-V3 caches one latent per token: its KV heads change nothing, and the widget says so."""
+    from kvlib.book.explorer import heads_text, kv_heads_apply, report_html
+
+    assert [m for m in MODELS if not kv_heads_apply(PRESETS[m])] == ["deepseek-v3"]
+    v3 = cache_report("deepseek-v3", 1, 4096)
+    assert cache_report("deepseek-v3", 1, 4096, n_kv_head=1)["cache_bytes"] == v3["cache_bytes"]
+    assert "one latent of 576 numbers" in heads_text(v3) and heads_text(v3) in report_html(v3)
+    assert heads_text(cache_report("llama-2-7b", 1, 4096)) == ""
+    pytest.importorskip("ipywidgets")
+    panel = explorer()
+    heads = panel.controls["n_kv_head"]
+    assert not heads.disabled
+    panel.controls["model"].value = "deepseek-v3"
+    assert heads.disabled and "(MLA)" in panel.output.value
+    panel.controls["model"].value = "llama-3-8b"
+    assert not heads.disabled and heads.value == 8

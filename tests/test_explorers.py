@@ -43,12 +43,13 @@ LABELS = {
 }
 
 
-def open_explorer(browser, server, doc, kind, width=1280, theme=None):  # noqa: F811
+def open_explorer(browser, server, doc, kind, width=1280, theme=None, height=900):  # noqa: F811
     """The page with the network cut off; returns (page, explorer box, external requests, errors).
 
     ``theme`` ("light" or "dark") is stored where the site's theme switch stores it, and the
-    browser prefers it too, before the page loads."""
-    context = browser.new_context(viewport={"width": width, "height": 900},
+    browser prefers it too, before the page loads. ``server`` may be a ``file://`` URL of the
+    built site: the page is then opened from disk, as a reader who opens index.html does."""
+    context = browser.new_context(viewport={"width": width, "height": height},
                                   color_scheme=theme or "light")
     if theme:
         context.add_init_script(f"localStorage.setItem('theme', '{theme}');"
@@ -68,8 +69,12 @@ def open_explorer(browser, server, doc, kind, width=1280, theme=None):  # noqa: 
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("requestfailed", lambda r: errors.append(f"failed: {r.url}"))
     page.goto(f"{server}/{doc}.html", wait_until="load")
-    box = page.locator(f'div.kv-explorer[data-explorer="{kind}"]')
-    box.and_(page.locator('[data-ready="true"]')).wait_for(timeout=30_000)
+    selector = f'div.kv-explorer[data-explorer="{kind}"]'
+    box = page.locator(selector)
+    page.wait_for_function("""s => { const b = document.querySelector(s);  // drawn, or given up
+        return b && (b.dataset.ready === 'true' || b.textContent.includes('could not load')); }""",
+                           arg=selector, timeout=30_000)
+    assert box.get_attribute("data-ready") == "true", f"{doc}: {box.inner_text()}"
     if theme:
         assert page.evaluate("document.documentElement.dataset.theme") == theme
     return page, box, external, errors
@@ -117,7 +122,10 @@ def test_cache_explorer_equals_cache_report(browser, server):  # noqa: F811
         pick(box, "cache dtype", dtype)
         pick(box, "batch (sequences)", batch)
         pick(box, "context (tokens per sequence)", ctx)
-        pick(box, "KV heads per layer", heads)
+        if heads_change_the_cache(PRESETS[model]):
+            pick(box, "KV heads per layer", heads)
+        else:  # MLA: the control is disabled (test_cache_explorer_heads_control_only_where_it_counts)
+            heads = None
         pick(box, "GPU memory (GiB)", gpu)
         want = cache_report(model, batch, ctx, dtype, heads, gpu)
         setting = (model, dtype, batch, ctx, heads, gpu)
@@ -379,12 +387,191 @@ def test_explorer_screenshots(browser, server, kind):  # noqa: F811
             close(page)
 
 
+# One change per explorer that must change what it shows: (control's label, a value not the default)
+A_CHANGE = {"cache": ("batch (sequences)", 64), "step": ("batch (sequences)", 64),
+            "paging": ("block size (tokens)", 256)}
+
+
+@pytest.mark.parametrize("kind", list(PAGES))
+def test_explorer_works_from_disk(browser, kind):  # noqa: F811
+    """The README says to open _build/html/index.html: from file://, with no server, every
+    explorer loads its data and responds to its controls, and asks nothing of any host."""
+    site = (ROOT / "_build" / "html").as_uri()
+    page, box, external, errors = open_explorer(browser, site, PAGES[kind], kind)
+    shown = lambda: (box.locator("output").all_inner_texts(), box.locator("svg").first.inner_html())  # noqa: E731
+    before = shown()
+    pick(box, *A_CHANGE[kind])
+    after = shown()
+    assert after[0] != before[0] and after[1] != before[1], f"{kind}: nothing changed from disk"
+    requests = page.evaluate("performance.getEntriesByType('resource').map(e => e.name)")
+    assert all(r.startswith("file://") for r in requests), [r for r in requests if not r.startswith("file:")]
+    clean(external, errors)
+    close(page)
+
+
+def test_explorer_data_ships_as_a_script():
+    """The data is a script the page runs (a page opened from disk may not fetch a file), and
+    no JSON copy of it is shipped: the built site's data is what `web.explorer_data` says."""
+    static = ROOT / "_build" / "html" / "_static"
+    assert not (static / "explorers-data.json").exists(), "a JSON file no page fetches is shipped"
+    shipped = web.read_script((static / "explorers-data.js").read_text())
+    fresh = web.explorer_data(paging=False)
+    assert {k: v for k, v in shipped.items() if k != "paging"} == {k: v for k, v in fresh.items() if k != "paging"}
+    assert shipped["paging"]["rows"], "the paging table is missing"
+
+
+def test_explorer_data_script_round_trips(tmp_path):
+    """`python -m kvlib.book.web OUT.js` writes one global, the data exactly, and nothing else."""
+    path = web.write(tmp_path / "data.js", paging=False)
+    body = path.read_text()
+    assert web.read_script(body) == json.loads(json.dumps(web.explorer_data(paging=False)))
+    code = [line for line in body.splitlines() if not line.startswith("//")]  # past the comment
+    assert len(code) == 1 and code[0].startswith("window.kvExplorerData = {") and code[0].endswith("};")
+    with pytest.raises(ValueError, match=r"\.js"):
+        web.write(tmp_path / "data.json", paging=False)
+
+
+def visible_height(page) -> float:
+    """The viewport's height below the theme's sticky article header (the icons' bar)."""
+    return page.evaluate("innerHeight - document.querySelector('.bd-header-article').getBoundingClientRect().height")
+
+
+@pytest.mark.parametrize("kind", list(PAGES))
+def test_explorer_fits_a_laptop_screen(browser, server, kind):  # noqa: F811
+    """At 1280x800 an explorer is shorter than the screen below the sticky header: every
+    control and its chart are in view together, so moving one shows the other change."""
+    page, box, external, errors = open_explorer(browser, server, PAGES[kind], kind, width=1280, height=800)
+    room, height = visible_height(page), box.bounding_box()["height"]
+    assert height <= room, f"{kind}: {height:.0f} px tall, {room:.0f} px in view at 1280x800"
+    clean(external, errors)
+    close(page)
+
+
+def test_step_explorer_controls_and_chart_share_a_phone_screen(browser, server):  # noqa: F811
+    """On a 390x844 phone the step explorer's controls and its roofline fit the screen together."""
+    page, box, external, errors = open_explorer(browser, server, PAGES["step"], "step", width=390, height=844)
+    span = box.evaluate("""b => { const top = b.querySelector('form').getBoundingClientRect().top;
+        const roof = [...b.querySelectorAll('svg')].find(s => s.querySelector('polyline'));
+        return roof.getBoundingClientRect().bottom - top; }""")
+    room = visible_height(page)
+    assert span <= room, f"controls to roofline: {span:.0f} px, {room:.0f} px in view on a phone"
+    clean(external, errors)
+    close(page)
+
+
+@pytest.mark.parametrize("kind", list(PAGES))
+def test_explorer_controls_are_tap_targets(browser, server, kind):  # noqa: F811
+    """On a phone every control is a comfortable tap target (44 px, Apple's and WCAG 2.5.5's
+    size), its text at least 16 px (smaller, and iOS zooms the page when it is tapped)."""
+    page, box, external, errors = open_explorer(browser, server, PAGES[kind], kind, width=390, height=844)
+    sizes = box.locator("select").evaluate_all(
+        "ss => ss.map(s => [s.name, s.getBoundingClientRect().height, parseFloat(getComputedStyle(s).fontSize)])")
+    assert len(sizes) == len(LABELS[kind])
+    small = [(name, round(h), f) for name, h, f in sizes if h < 44 or f < 16]
+    assert small == [], f"{kind}: controls (name, px tall, font px) too small to tap: {small}"
+    clean(external, errors)
+    close(page)
+
+
+def heads_change_the_cache(c) -> bool:
+    """Whether a model's number of KV heads changes its cache: not for MLA, which caches one latent."""
+    other = c.replace(n_kv_head=1 if c.n_kv_head != 1 else c.n_head)
+    return memory.kv_cache_bytes(other, 4096, 1) != memory.kv_cache_bytes(c, 4096, 1)
+
+
+def test_cache_explorer_heads_control_only_where_it_counts(browser, server):  # noqa: F811
+    """DeepSeek-V3's MLA caches a latent per token, not heads: its heads control is disabled and a
+    visible note says why; every other preset's control is live and changes the cache."""
+    page, box, external, errors = open_explorer(browser, server, PAGES["cache"], "cache")
+    heads = box.get_by_label("KV heads per layer", exact=True)
+    latent = [m for m in MODELS if not heads_change_the_cache(PRESETS[m])]
+    assert latent == ["deepseek-v3"]
+    for model in MODELS:
+        pick(box, "model", model)
+        why = box.locator('[data-name="heads_note"]')
+        if model in latent:
+            assert heads.is_disabled(), f"{model}: its KV-heads control does nothing, yet it is live"
+            assert why.is_visible() and "latent" in why.inner_text(), model
+            assert heads.get_attribute("aria-describedby") == why.get_attribute("id")
+        else:
+            assert heads.is_enabled() and not why.is_visible(), model
+    clean(external, errors)
+    close(page)
+
+
+def test_cache_explorer_says_when_a_context_is_past_the_model(browser, server):  # noqa: F811
+    """Past a model's context limit (the preset's max_seq_len, its max_position_embeddings) the
+    explorer says so plainly, naming the limit; within it, it says nothing."""
+    page, box, external, errors = open_explorer(browser, server, PAGES["cache"], "cache")
+    for model in MODELS:
+        pick(box, "model", model)
+        limit = PRESETS[model].max_seq_len
+        for ctx in CONTEXTS:
+            pick(box, "context (tokens per sequence)", ctx)
+            warning = box.locator('[data-name="limit"]')
+            if ctx > limit:
+                assert warning.is_visible(), f"{model} at {ctx:,} tokens, past its {limit:,}: no word"
+                assert f"{limit:,} tokens" in warning.inner_text() and PRESETS[model].name in warning.inner_text()
+                assert warning.inner_text() == limit_text(cache_report(model, 1, ctx))  # the widget's words
+            else:
+                assert not warning.is_visible(), (model, ctx)
+    clean(external, errors)
+    close(page)
+
+
+def limit_text(report) -> str:
+    from kvlib.book.explorer import limit_text as words
+    return words(report)
+
+
+RED = """b => { const probe = document.createElement('span');  // the theme's danger colour, resolved
+    probe.style.color = 'var(--pst-color-danger)'; b.append(probe);
+    const red = getComputedStyle(probe).color; probe.remove();
+    return [red, getComputedStyle(b.querySelector('output[data-name="fits"]')).color]; }"""
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_cache_explorer_shows_does_not_fit_in_red(browser, server, theme):  # noqa: F811
+    """"does not fit" in the theme's danger colour, as chapter 5's explorer shows it, legible in both themes."""
+    page, box, external, errors = open_explorer(browser, server, PAGES["cache"], "cache", theme=theme)
+    red, colour = box.evaluate(RED)
+    assert value(box, "fits") == "true" and colour != red, "a setting that fits is shown as an alarm"
+    pick(box, "model", "llama-3-70b")  # 131 GiB of weights in 80 GiB, at 131,072 tokens (past its 8,192)
+    pick(box, "context (tokens per sequence)", 131072)
+    red, colour = box.evaluate(RED)
+    assert value(box, "fits") == "false" and "does not fit" in text(box, "fits")
+    assert colour == red, f"'does not fit' is {colour}, not the danger colour {red} chapter 5 uses"
+    step, step_box, *_ = open_explorer(browser, server, PAGES["step"], "step", theme=theme)
+    pick(step_box, "hardware", "t4")
+    pick(step_box, "model", "llama-3-70b")
+    assert value(step_box, "fits") == "false" and step_box.evaluate(RED)[1] == colour  # the same style
+    close(step)
+    result = box.evaluate(CONTRAST)  # the red verdict and the limit's warning are legible
+    assert result["bad"] == [], f"in {theme} mode: {result['bad'][:6]}"
+    clean(external, errors)
+    close(page)
+
+
+def test_chapter_4_says_use_the_panel_above_only_in_a_notebook(browser, server):  # noqa: F811
+    """"In a notebook, use the panel above" is true in Jupyter and Colab; on the website the panel
+    above is not shown (its output is removed), so there the sentence must not show either."""
+    sentence = "In a notebook, use the panel above"
+    page, box, external, errors = open_explorer(browser, server, PAGES["cache"], "cache")
+    shown = page.get_by_text(sentence).evaluate_all("es => es.filter(e => e.checkVisibility()).length")
+    assert shown == 0, "the website shows a sentence meant for notebooks"
+    reader = json.loads((ROOT / "reader" / "ch04_how_big.ipynb").read_text())
+    assert any(sentence in "".join(c["source"]) for c in reader["cells"])  # the notebooks keep it
+    clean(external, errors)
+    close(page)
+
+
 def test_explorer_data_is_kvlib_presets():
     data = web.explorer_data(paging=False)
     for name in MODELS:
         c, m = PRESETS[name], data["models"][name]
         assert (m["n_layer"], m["n_kv_head"], m["head_dim"], m["d_ff"]) == (c.n_layer, c.n_kv_head, c.head_dim, c.d_ff)
         assert m["kv_heads"] == kv_head_choices(c)
+        assert m["max_seq_len"] == c.max_seq_len  # the context limit the cache explorer warns past
         assert [(k["kind"], k["size"], k["sinks"], k["source"]) for k in m["layers"]] == [
             (k.kind, k.size, k.sinks, k.source) for k in c.layer_kinds()]
         if c.family == "shapes":

@@ -3,7 +3,7 @@
 * `kvlib.book.plot`: the book's one figure style (`subplots`, `COLORS`, `plain_ticks`);
 * `kvlib.book.diagrams`: pictures of the ideas, drawn before they are measured;
 * `kvlib.book.explorer`: the ipywidgets panel over `kvlib.memory`'s arithmetic;
-* `kvlib.book.web`: the website explorers' data (``python -m kvlib.book.web OUT.json``);
+* `kvlib.book.web`: the website explorers' data (``python -m kvlib.book.web OUT.js``);
 * `kvlib.book.requires`: a cell that needs a newer library than the reader has says so
   and skips itself (``%%requires transformers>=5.0``);
 * `kvlib.book.reader`: the reader edition of a chapter, the notebook Colab and the

@@ -39,6 +39,12 @@ def kv_head_choices(config: ModelConfig) -> list[int]:
     return [h for h in range(1, config.n_head + 1) if config.n_head % h == 0]
 
 
+def kv_heads_apply(config: ModelConfig) -> bool:
+    """Whether the number of KV heads changes a model's cache: whether some layer stores keys and
+    values per head. Not for MLA (DeepSeek-V3), whose every layer caches one latent per token."""
+    return any(k.kind not in ("latent", "shared") for k in config.layer_kinds())
+
+
 def cache_terms(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str | int = "fp16") -> list[dict]:
     """The cache formula as one term per kind of layer, in the order the kinds first appear:
     ``kind`` (``"full"``, ``"window(1024)"``, ...), ``layers`` (how many), ``tokens`` (held by
@@ -93,6 +99,7 @@ def cache_report(
     return {
         "model": config.name,
         "n_layer": config.n_layer, "n_kv_head": config.n_kv_head, "head_dim": config.head_dim,
+        "kv_heads_apply": kv_heads_apply(config), "max_seq_len": config.max_seq_len,
         "batch": batch, "seq_len": seq_len, "dtype_bytes": dtype_bytes(dtype),
         "terms": cache_terms(config, seq_len, batch, dtype),
         "weight_bytes": weights, "cache_bytes": cache, "gpu_bytes": gpu,
@@ -164,6 +171,25 @@ def formula_text(report: dict) -> str:
     return text + (f" (and 0 for {_count(shared, 'shared layer')})" if shared else "")
 
 
+def limit_text(report: dict) -> str:
+    """A plain warning when the context is past the model's limit (its ``max_seq_len``, the
+    ``max_position_embeddings`` of its config), else ``""``. The website's explorer says the same."""
+    r = report
+    if r["seq_len"] <= r["max_seq_len"]:
+        return ""
+    return (f"{r['seq_len']:,} tokens is past {r['model']}'s context limit of {r['max_seq_len']:,} tokens "
+            "(the longest it was trained for): the arithmetic holds, but the model is not made to serve it.")
+
+
+def heads_text(report: dict) -> str:
+    """Why the KV-heads control does nothing for an MLA model (else ``""``). The website says the same."""
+    latent = [t for t in report["terms"] if t["kind"].startswith("latent")]
+    if report["kv_heads_apply"] or not latent:
+        return ""
+    return (f"{report['model']} caches one latent of {latent[0]['numbers']:,} numbers per token in each "
+            "layer (MLA), not keys and values per head: its number of KV heads does not change the cache.")
+
+
 def report_html(report: dict) -> str:
     """The formula with this setting's numbers in it, the verdict, and the bar chart."""
     r = report
@@ -177,8 +203,9 @@ def report_html(report: dict) -> str:
         both = r["weight_bytes"] + r["cache_bytes"]
         total = (f"<p>{escape(r['model'])}: weights {_size(r['weight_bytes'])} + cache = {_size(both)}, "
                  f"which {verdict}.</p>")
-    return (f'<div class="kv-report"><p>{formula_text(r)} = <b>{_size(r["cache_bytes"])}</b> of cache{ratio}.</p>'
-            f"{total}{bar_svg(r)}</div>")
+    notes = "".join(f"<p><i>{escape(t, quote=False)}</i></p>" for t in (limit_text(r), heads_text(r)) if t)
+    return (f'<div class="kv-report">{notes}<p>{formula_text(r)} = <b>{_size(r["cache_bytes"])}</b> of cache'
+            f"{ratio}.</p>{total}{bar_svg(r)}</div>")
 
 
 def explorer(
@@ -199,7 +226,8 @@ def explorer(
     b = w.IntSlider(value=batch, min=1, max=256, description="batch (sequences)", style=style)
     s = w.SelectionSlider(options=CONTEXTS, value=seq_len, description="context (tokens)", style=style)
     h = w.SelectionSlider(options=kv_head_choices(PRESETS[model]), value=PRESETS[model].n_kv_head,
-                          description="KV heads per layer", style=style)
+                          description="KV heads per layer", style=style,
+                          disabled=not kv_heads_apply(PRESETS[model]))  # MLA: the report says why
     g = w.Dropdown(options=[(f"{x} GiB", x) for x in GPUS_GIB], value=gpu_gib, description="GPU memory", style=style)
     out = w.HTML()
     switching = [False]  # True while the KV-head slider is re-filled for a new model
@@ -210,6 +238,7 @@ def explorer(
         try:
             h.options = kv_head_choices(cfg)  # resets h.value: the refresh it triggers is skipped
             h.value = cfg.n_kv_head
+            h.disabled = not kv_heads_apply(cfg)  # MLA caches a latent, not heads
         finally:
             switching[0] = False
         refresh()

@@ -1,4 +1,4 @@
-"""The data behind the website's explorers: kvlib's presets and tables, exported to JSON.
+"""The data behind the website's explorers: kvlib's presets and tables, exported as a script.
 
 The book's three explorers (cache size, step time, paged vs contiguous) run in the
 reader's browser, with no kernel and no network. Their JavaScript
@@ -7,7 +7,12 @@ it mirrors; every number they start from comes from here, so kvlib stays the one
 source of truth. ``make book`` writes the file before Jupyter Book copies ``js/``
 into the site::
 
-    python -m kvlib.book.web js/explorers-data.json
+    python -m kvlib.book.web js/explorers-data.js
+
+The data is a script that sets one global, ``window.kvExplorerData``, not a JSON file
+to fetch: a page opened from disk (``file://``, as the README suggests) may not fetch a
+file beside it, but it may run a script. ``explorers.js`` adds the script only to the
+pages that have an explorer.
 
 The paging explorer shows waste that only a simulation can measure, so this
 module runs `kvlib.simulate` over a small grid at build time and ships the table.
@@ -50,14 +55,15 @@ STEP_DTYPES = ["fp32", "fp16", "bf16", "fp8"]
 
 
 def _model(name: str) -> dict:
-    """One preset for the explorers: its shapes, its layer pattern (one entry per layer, as
-    `kvlib.layers.LayerKind`'s fields, which the JavaScript sums the cache over), and its
+    """One preset for the explorers: its shapes and context limit, its layer pattern (one entry per
+    layer, as `kvlib.layers.LayerKind`'s fields, which the JavaScript sums the cache over), and its
     parameter count, None for a ``family="shapes"`` preset (kvlib does not count those)."""
     c = PRESETS[name]
     layers = [{"kind": k.kind, "size": k.size, "sinks": k.sinks, "source": k.source} for k in c.layer_kinds()]
     return {"name": c.name, "family": c.family, "n_layer": c.n_layer, "n_head": c.n_head,
             "n_kv_head": c.n_kv_head, "head_dim": c.head_dim, "d_model": c.d_model, "d_ff": c.d_ff,
             "vocab_size": c.vocab_size, "tie_embeddings": c.tie_embeddings, "kv_heads": kv_head_choices(c),
+            "max_seq_len": c.max_seq_len,  # its context limit: the cache explorer says when a context is past it
             "layers": layers, "param_count": None if c.family == "shapes" else param_count(c)}
 
 
@@ -118,15 +124,35 @@ def explorer_data(*, paging: bool = True) -> dict:
     }
 
 
+GLOBAL = "kvExplorerData"  # the one global the script sets, which explorers.js reads
+_HEAD = (f"// The explorers' data (js/explorers.js reads window.{GLOBAL}), written by\n"
+         f"// `python -m kvlib.book.web` from kvlib's presets and tables: do not edit.\n"
+         f"window.{GLOBAL} = ")
+
+
+def script(data: dict) -> str:
+    """``data`` as a script setting ``window.kvExplorerData``: JSON is a JavaScript expression."""
+    return _HEAD + json.dumps(data, separators=(",", ":"), allow_nan=False) + ";\n"
+
+
+def read_script(text: str) -> dict:
+    """The data a `script` sets, back as a dict (for the tests)."""
+    if not (text.startswith(_HEAD) and text.endswith(";\n")):
+        raise ValueError("not a script written by kvlib.book.web")
+    return json.loads(text[len(_HEAD):-2])
+
+
 def write(path: str | Path, **kwargs) -> Path:
-    """Write `explorer_data` as JSON to ``path`` (its folder is created)."""
+    """Write `explorer_data` as a script (`script`) to ``path``, a ``.js`` file (its folder is created)."""
     path = Path(path)
+    if path.suffix != ".js":
+        raise ValueError(f"the explorers' data is a script: write it to a .js file, not {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(explorer_data(**kwargs), indent=1))
+    path.write_text(script(explorer_data(**kwargs)))
     return path
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m kvlib.book.web OUT.json")
+        raise SystemExit("usage: python -m kvlib.book.web OUT.js")
     print(f"wrote {write(sys.argv[1])}")
