@@ -397,6 +397,8 @@
     note(about, "One decode step on the spec sheet's bandwidth and peak, with the weights and the " +
                 "cache both stored in the chosen dtype.");
     const out = el("div", { class: "kv-outputs" });
+    const limit = el("p", { class: "kv-warning", "data-name": "limit", "aria-live": "polite" });
+    out.append(limit);
     const fits = output(out, "fits", "memory");
     const time = output(out, "step_seconds", "predicted decode step");
     const rate = output(out, "tokens_per_s", "tokens per second (the whole batch)");
@@ -421,6 +423,8 @@
       show(fits, ok, (ok ? "fits: needs " : "does not fit: needs ") + gb(mem.total) + " (weights " +
            gb(mem.weights) + " + KV cache " + gb(mem.cache) + "), the GPU has " + sig3text(h.memory / 1e9) + " GB");
       box.classList.toggle("kv-overflow", !ok);
+      limit.textContent = limitText(m, s);  // the same words as chapter 4's explorer
+      limit.hidden = !limit.textContent;
       show(time, t.total, sig3text(1e3 * t.total) + " ms" +
            (ok ? "" : ", on paper only: the weights and cache do not fit this GPU"));
       show(rate, b / t.total, sig3text(b / t.total) + " tokens/s");

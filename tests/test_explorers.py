@@ -519,6 +519,27 @@ def test_cache_explorer_says_when_a_context_is_past_the_model(browser, server): 
     close(page)
 
 
+def test_step_explorer_says_when_a_context_is_past_the_model(browser, server):  # noqa: F811
+    """Chapter 5's explorer too: Llama-3-8B at 131,072 tokens is past its 8,192."""
+    page, box, external, errors = open_explorer(browser, server, PAGES["step"], "step")
+    said = 0
+    for model in STEP_MODELS:
+        pick(box, "model", model)
+        limit = PRESETS[model].max_seq_len
+        for ctx in CONTEXTS:
+            pick(box, "context (tokens per sequence)", ctx)
+            warning = box.locator('[data-name="limit"]')
+            if ctx > limit:
+                assert warning.is_visible(), f"{model} at {ctx:,} tokens, past its {limit:,}: no word"
+                assert warning.inner_text() == limit_text(cache_report(model, 1, ctx))
+                said += 1
+            else:
+                assert not warning.is_visible(), (model, ctx)
+    assert said > 0, "no context past any model's limit was tried"
+    clean(external, errors)
+    close(page)
+
+
 def limit_text(report) -> str:
     from kvlib.book.explorer import limit_text as words
     return words(report)
