@@ -4,6 +4,8 @@
   to its own entry (kvlib's docstrings write names in single backticks, which reStructuredText
   renders as an italic ``<cite>`` unless a default role says otherwise).
 * A chapter's kvlib link opens the entry of the object it names, not the top of its module.
+* A citation shows the same label as the entry it opens on the References page, and no two
+  entries share a label.
 
 Most checks read the built HTML (``make book`` first); the last opens a docstring link in Chromium.
 """
@@ -186,6 +188,58 @@ def test_a_chapters_link_opens_the_entry_of_what_it_names():
             elif not wants and not anchor.removeprefix("module-").endswith(name):  # data, or not importable
                 wrong.append(f"{ch.name}: {name} -> #{anchor}")
     assert checked > 500 and not wrong, f"{len(wrong)} of {checked} links open the wrong entry: {wrong}"
+
+
+# -- citations -------------------------------------------------------------------------------------
+LABEL = re.compile(r"^\S.*, (\d{4}[a-z]?|n\.d\.)$")  # "Kwon et al., 2023a", "Gemma Team, 2025"
+
+
+def bibliography() -> dict[str, str]:
+    """The References page: each entry's id -> the label it shows (its brackets aside)."""
+    article = soup(SITE / "book" / "references.html")
+    out = {}
+    for entry in article.select("div.citation[id]"):
+        label = entry.select_one("span.label")
+        for bracket in label.select("span.fn-bracket"):
+            bracket.extract()
+        out[entry["id"]] = label.get_text().strip()
+    return out
+
+
+def test_each_work_has_its_own_author_year_label():
+    labels = bibliography()
+    shared = {lab: n for lab, n in collections.Counter(labels.values()).items() if n > 1}
+    odd = sorted(lab for lab in labels.values() if not LABEL.match(lab) or " and others" in lab)
+    assert len(labels) > 50 and not shared and not odd, \
+        f"labels shared by two works: {shared}; not author-year: {odd}"
+
+
+def test_every_citation_shows_the_label_of_the_entry_it_opens():
+    labels = bibliography()
+    wrong, ids, cited = [], collections.defaultdict(set), 0
+    for page in sorted(SITE.rglob("*.html")):
+        article = soup(page) if "bibtex-citation" in page.read_text(encoding="utf-8") else None
+        for a in article.select("span.bibtex-citation a[href*='references.html#']") if article else ():
+            shown, anchor = a.get_text().strip(), a["href"].partition("#")[2]
+            ids[shown].add(anchor)
+            cited += 1
+            if labels.get(anchor) != shown:
+                wrong.append(f"{page.relative_to(SITE)}: {shown!r} opens {labels.get(anchor)!r}")
+    two = {shown: sorted(targets) for shown, targets in ids.items() if len(targets) > 1}
+    assert cited > 100 and not two and not wrong, (f"one label for two works: {two}; {len(wrong)} citations "
+                                                   f"differ from their entry: {sorted(set(wrong))[:8]}")
+
+
+def test_the_reader_editions_cite_with_the_sites_labels():
+    """kvlib.book.reader labels citations itself (Colab shows no Sphinx): by key, its labels are
+    the References page's (an entry's id is ``ref-`` and its key)."""
+    from kvlib.book.reader import bib_citations
+
+    site = {anchor.removeprefix("ref-"): label for anchor, label in bibliography().items()}
+    reader = bib_citations((ROOT / "references.bib").read_text(encoding="utf-8"))
+    differ = {k: (reader.get(k), site.get(k)) for k in sorted(set(site) | set(reader))
+              if reader.get(k) != site.get(k)}
+    assert not differ, f"reader edition vs site, by key: {differ}"
 
 
 def test_a_docstring_link_opens_its_entry_in_chromium(server, browser):  # noqa: F811

@@ -77,7 +77,8 @@ GROUPS = [
      "tensor parallelism, disaggregated prefill and decode, a disk tier, and the cluster's arithmetic"),
     ("support", "Book support and validation", [],
      ["kvlib.validate", "kvlib.book", "kvlib.book.plot", "kvlib.book.diagrams", "kvlib.book.explorer",
-      "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.apiref"],
+      "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.apiref",
+      "kvlib.book.citations"],
      "the checks behind kvlib's clear errors, and what builds this book"),
 ]
 
@@ -445,7 +446,8 @@ def configure(app, config) -> None:
     config.autodoc_member_order = "bysource"
     config.nitpick_ignore_regex = list(config.nitpick_ignore_regex) + [
         ("py:class", r"(torch|nn|np|numpy|typing|collections|pathlib|os|datetime|contextlib|argparse|queue|"
-                     r"threading|multiprocessing|dataclasses|enum|re|io|subprocess|docutils|sphinx|matplotlib)"
+                     r"threading|multiprocessing|dataclasses|enum|re|io|subprocess|docutils|sphinx|matplotlib|"
+                     r"pybtex|sphinxcontrib)"
                      r"\..*"),
         ("py:class", r"(Tensor|Path|Callable|Sequence|Iterator|Iterable|Module|Generator|Mapping|T)"),
         ("py:class", r"(abc\.ABC|ipywidgets\..*)"),  # bases from outside kvlib
