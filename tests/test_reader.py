@@ -140,6 +140,15 @@ def test_a_corporate_author_is_cited_by_its_whole_name():
                                   "s": "Anderson and Brown Labs, 2023"}
 
 
+def test_two_works_that_would_share_a_label_are_told_apart_by_a_letter():
+    """Two DeepSeek-AI reports of 2024 were both "(DeepSeek-AI, 2024)"; the letters follow the
+    References page's order (authors, year, title), as the website's labels do."""
+    bib = ("@article{v3,\n  author = {{DeepSeek-AI}},\n  title = {DeepSeek-V3 Technical Report},\n  year = {2024}\n}\n"
+           "@article{v2,\n  author = {{DeepSeek-AI}},\n  title = {DeepSeek-V2: A Strong MoE},\n  year = {2024}\n}\n"
+           "@misc{x,\n  author = {Xie, Zhiqiang},\n  title = {HiCache},\n  year = {2024}\n}\n")
+    assert bib_citations(bib) == {"v2": "DeepSeek-AI, 2024a", "v3": "DeepSeek-AI, 2024b", "x": "Xie, 2024"}
+
+
 def test_a_page_is_named_by_its_own_title_whatever_other_links_say(tmp_path):
     """A bare {doc} shows the page's title; a link elsewhere with words of its own must not
     decide what the reader edition calls the page (pages are read in name order)."""

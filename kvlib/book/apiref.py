@@ -10,11 +10,17 @@ As a Sphinx extension (``kvlib.book.apiref`` in ``_config.yml``) it links both w
 * in a chapter, the first inline-code mention of a public kvlib name (```kvlib.generate```,
   ```PagedCache.step```, ```tp.plan```) becomes a link to that name's reference entry, and so
   does the first use in its code cells of each name the prose did not link;
-* each reference entry lists the chapters that mention or use it ("Taught in").
+* each reference entry lists the chapters that mention or use it ("Taught in");
+* in the reference itself, a name a docstring writes in backticks (`PagedCache`, ``tp.plan``)
+  is code (the default role ``literal``, not reStructuredText's italic title) and links to
+  its entry when it means one documented object, read where it is written (a parameter
+  stays code).
 
 A name is linked only when it resolves to one documented object: a full dotted name, a
 top-level ``kvlib.X``, a module-relative ``module.X``, or a bare name or ``Class.method``
-that no other documented object shares (in code, a bare name only if it is a class's).
+that no other documented object shares (in code, a bare name only if it is a class's). A
+name a module imports from another (``kvlib.hardware.fast_dtype``, kvlib.native's) opens
+the entry where it is defined.
 """
 
 from __future__ import annotations
@@ -71,7 +77,8 @@ GROUPS = [
      "tensor parallelism, disaggregated prefill and decode, a disk tier, and the cluster's arithmetic"),
     ("support", "Book support and validation", [],
      ["kvlib.validate", "kvlib.book", "kvlib.book.plot", "kvlib.book.diagrams", "kvlib.book.explorer",
-      "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.lean", "kvlib.book.apiref"],
+      "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.lean",
+      "kvlib.book.apiref", "kvlib.book.citations"],
      "the checks behind kvlib's clear errors, and what builds this book"),
 ]
 
@@ -168,6 +175,27 @@ def _aliases(objects: dict) -> dict[str, str]:
             add(".".join(parts[i:]), full)
         if entry.objtype in ("class", "function", "exception"):  # "check_cache", "PagedCache"
             add(parts[-1], full)
+    # A name a module imports from another kvlib module is documented where it is defined, so
+    # ``kvlib.hardware.fast_dtype`` (kvlib.native's, imported into kvlib.hardware) means that
+    # entry. These forms rank below names defined where they are written: only when free.
+    imported: dict[str, set[str]] = {}
+    for modname, entry in objects.items():
+        if entry.objtype != "module":
+            continue
+        try:  # a build that reads nothing new has not imported it (autodoc imports while reading)
+            mod = importlib.import_module(modname)
+        except ImportError:
+            continue
+        for attr, obj in vars(mod).items():
+            home = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+            if (attr.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj))
+                    or obj.__module__ == modname or home not in objects):
+                continue
+            parts = f"{modname}.{attr}".split(".")
+            for i in range(len(parts) - 1):  # "kvlib.hardware.fast_dtype", "hardware.fast_dtype"
+                imported.setdefault(".".join(parts[i:]), set()).add(home)
+    for alias, homes in imported.items():
+        counts.setdefault(alias, homes)
     for name in getattr(kvlib, "__all__", []):  # kvlib.generate is kvlib.generate.generate
         obj = getattr(kvlib, name, None)
         home = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', name)}"
@@ -209,16 +237,23 @@ def collect(app, env) -> None:
 
 
 def _resolve(dotted: str, aliases: dict[str, str]) -> str | None:
-    """The documented object a name in code means: the longest leading part that resolves
-    (``kvlib.memory.kv_cache_bytes``, ``tp.plan``, ``StaticCache.for_model``; ``kvlib.X.y`` as
-    ``X.y``), or None. A bare lowercase name is never linked: in code it is as likely a
-    variable (``prompts``, ``overlap``) as the kvlib function of that name."""
+    """The documented object a name in code means (see `_resolve_prefix`), or None."""
+    found = _resolve_prefix(dotted, aliases)
+    return found[0] if found else None
+
+
+def _resolve_prefix(dotted: str, aliases: dict[str, str]) -> tuple[str, int] | None:
+    """(the documented object, how many of the dotted parts name it) for a name in code: the
+    longest leading part that resolves (``kvlib.memory.kv_cache_bytes``, ``tp.plan``,
+    ``StaticCache.for_model``; ``kvlib.X.y`` as ``X.y``), or None. A bare lowercase name is
+    never linked: in code it is as likely a variable (``prompts``, ``overlap``) as the kvlib
+    function of that name."""
     parts = dotted.split(".")
     for n in range(len(parts), 0, -1):
         for start in (0, 1) if parts[0] == "kvlib" else (0,):
             name = ".".join(parts[start:n])
             if name in aliases and (n - start > 1 or name[:1].isupper()):
-                return aliases[name]
+                return aliases[name], n
     return None
 
 
@@ -267,6 +302,7 @@ def link(app, doctree, docname: str) -> None:
             lit.replace_self(ref)
             ref += lit
     elif docname.startswith("book/api/"):
+        _link_docstrings(app, doctree, docname)
         taught = getattr(env, "kvlib_taught", {})
         for desc in doctree.findall(addnodes.desc):
             sig = next(iter(desc.findall(addnodes.desc_signature)), None)
@@ -281,6 +317,81 @@ def link(app, doctree, docname: str) -> None:
                 para += nodes.reference("", env.titles[chapter].astext(), internal=True, refuri=uri)
             content = next(iter(desc.findall(addnodes.desc_content)))
             content.insert(0, para)
+
+
+def _link_docstrings(app, doctree, docname: str) -> None:
+    """A reference page: each name its docstrings write as code (`x` or ``x``) links to its
+    entry when it means one documented kvlib object, read where it is written (`_target`)."""
+    from docutils import nodes
+    from sphinx import addnodes
+
+    env = app.builder.env
+    objects = env.get_domain("py").objects
+    # a module's constant by its bare name (`PRESETS`, `FULL`) where only one module has it
+    constants: dict[str, set[str]] = {}
+    for full, entry in objects.items():
+        if entry.objtype == "data" and full.rpartition(".")[2][:1].isupper():
+            constants.setdefault(full.rpartition(".")[2], set()).add(full)
+    names = {bare: fulls.pop() for bare, fulls in constants.items() if len(fulls) == 1}
+    names.update(env.kvlib_aliases)
+    module, found = None, []
+    for node in doctree.findall(nodes.Element):  # in document order: a module's section, then its text
+        module = next((i[len("module-"):] for i in node.get("ids", ()) if i.startswith("module-")), module)
+        if (isinstance(node, nodes.literal) and not isinstance(node.parent, nodes.reference)
+                and not any(isinstance(a, addnodes.desc_signature) for a in _ancestors(node))):
+            found.append((node, module))
+    for lit, module in found:
+        m = NAME.match(lit.astext().strip())
+        full = m and _target(m.group(1), lit, module, objects, names)
+        if not full:
+            continue
+        entry = objects[full]
+        uri = app.builder.get_relative_uri(docname, entry.docname) + "#" + entry.node_id
+        ref = nodes.reference("", "", internal=True, refuri=uri, reftitle=full)
+        lit.replace_self(ref)
+        lit["classes"] += ["xref", "py", "py-obj"]  # as Sphinx marks a cross-reference's code
+        ref += lit
+
+
+def _ancestors(node):
+    while node.parent is not None:
+        node = node.parent
+        yield node
+
+
+def _target(name: str, lit, module: str | None, objects: dict, aliases: dict[str, str]) -> str | None:
+    """The documented object a docstring's name means, or None (it stays code).
+
+    Read as Python reads a name where it is written: a member of the entry's own class
+    (``step`` in PagedCache's docstrings), then of its module, then a full or unambiguous name
+    (``aliases``: `_aliases`' ``kvlib.memory``, ``PagedCache.step``, ``PagedCache``, and a
+    module's constant by its bare name, ``PRESETS``). A parameter of the
+    entry's own signature is a parameter, not the kvlib object that shares its name (``cache``,
+    ``press``); in a class's docstring its fields come first (a dataclass's ``top_k``).
+    """
+    from sphinx import addnodes
+
+    desc = next((a for a in _ancestors(lit) if isinstance(a, addnodes.desc)), None)
+    sig = next(iter(desc.findall(addnodes.desc_signature)), None) if desc is not None else None
+    local, params, is_class = [], set(), False
+    if sig is not None:
+        module, fullname = sig.get("module") or module, sig.get("fullname", "")
+        is_class = desc.get("objtype") in ("class", "exception")
+        owner = fullname if is_class else fullname.rpartition(".")[0]
+        local += [f"{module}.{owner}.{name}"] if owner else []
+        for param in sig.findall(addnodes.desc_parameter):
+            first = next(iter(param.findall(addnodes.desc_sig_name)), None)
+            params.add(first.astext() if first is not None else "")
+    local += [f"{module}.{name}"] if module else []
+    if name in params and not is_class:
+        return None
+    for full in local:  # by aliases first: in kvlib's own docstring `attention` is the function it exports
+        found = aliases.get(full) or (full if full in objects else None)
+        if found:
+            return found
+    if name in params:
+        return None
+    return aliases.get(name) or (name if name in objects else None)
 
 
 SPANS = re.compile(r'<span class="n">(\w+)</span>(?:<span class="o">\.</span><span class="n">\w+</span>)*')
@@ -306,26 +417,37 @@ def link_code(app, pagename: str, templatename: str, context: dict, doctree) -> 
         line_start = body.rfind("\n", 0, m.start()) + 1
         if re.match(r'\s*(<span class="[^"]*">\s*</span>)?\s*<span class="(kn|c1)">', body[line_start:m.start() + 40]):
             continue  # an import line, or a comment
-        dotted = ".".join(re.findall(r'<span class="n">(\w+)</span>', m.group(0)))
-        full = _resolve(dotted, env.kvlib_aliases)
-        if not full or full in linked:
+        names = list(re.finditer(r'<span class="n">(\w+)</span>', m.group(0)))
+        found = _resolve_prefix(".".join(n.group(1) for n in names), env.kvlib_aliases)
+        if not found or found[0] in linked:
             continue
+        full, parts = found
         linked.add(full)
         entry = objects[full]
         uri = app.builder.get_relative_uri(pagename, entry.docname) + "#" + entry.node_id
+        end = m.start() + names[parts - 1].end()  # the link covers only the parts that name it
         out += [body[last:m.start()], f'<a class="kvlib-api kvlib-api-code reference internal" href="{uri}" '
-                f'title="{full}">', m.group(0), "</a>"]
-        last = m.end()
+                f'title="{full}">', body[m.start():end], "</a>"]
+        last = end
     context["body"] = "".join(out) + body[last:]
 
 
 def configure(app, config) -> None:
-    """autodoc as the reference wants it, and nitpicky silence for names outside kvlib."""
+    """autodoc as the reference wants it, and nitpicky silence for names outside kvlib.
+
+    kvlib's docstrings write names in single backticks (`PagedCache`, `x`). Without a default
+    role reStructuredText sets them as an italic title (``<cite>``); with ``literal`` they are
+    code, as in the chapters, and `_link_docstrings` links the ones that name a kvlib object.
+    (A cross-referencing role such as ``py:obj`` would warn, and fail this ``-W -n`` build, on
+    every parameter and expression.) MyST pages are not affected: their backticks are code.
+    """
+    config.default_role = config.default_role or "literal"
     config.autodoc_typehints = "signature"
     config.autodoc_member_order = "bysource"
     config.nitpick_ignore_regex = list(config.nitpick_ignore_regex) + [
         ("py:class", r"(torch|nn|np|numpy|typing|collections|pathlib|os|datetime|contextlib|argparse|queue|"
-                     r"threading|multiprocessing|dataclasses|enum|re|io|subprocess|docutils|sphinx|matplotlib)"
+                     r"threading|multiprocessing|dataclasses|enum|re|io|subprocess|docutils|sphinx|matplotlib|"
+                     r"pybtex|sphinxcontrib)"
                      r"\..*"),
         ("py:class", r"(Tensor|Path|Callable|Sequence|Iterator|Iterable|Module|Generator|Mapping|T)"),
         ("py:class", r"(abc\.ABC|ipywidgets\..*)"),  # bases from outside kvlib

@@ -118,45 +118,11 @@ def site_references(html_dir: Path) -> dict[str, list[str]]:
 
 
 def bib_citations(bib: str) -> dict[str, str]:
-    """``{key: "Kwon et al., 2023"}`` from a .bib file's text (the site's author_year style).
+    """``{key: "Kwon et al., 2023a"}`` from a .bib file's text: the labels the website shows
+    (`kvlib.book.citations.labels`), "a" and "b" where two works would share one."""
+    from .citations import bib_labels
 
-    A name in braces is a corporate author and is cited whole ("Gemma Team", "Thinking
-    Machines Lab"); a list ending in ``and others`` is cited "et al.", as BibTeX does.
-    """
-    cites = {}
-    for m in re.finditer(r"@\w+\s*\{\s*([^,\s]+)\s*,(.*?)\n\}", bib, re.S):
-        key, body = m.groups()
-        author = re.search(r"author\s*=\s*[{\"](.*?)[}\"]\s*,?\s*\n", body, re.S)
-        year = re.search(r"year\s*=\s*[{\"]?(\d{4})", body)
-        names = _bib_names(author.group(1)) if author else ["?"]
-        others = names[-1] == "others"
-        names = names[:-1] if others and len(names) > 1 else names
-        surnames = [_surname(n) for n in names]
-        who = (f"{surnames[0]} et al." if others or len(surnames) > 2 else " and ".join(surnames))
-        cites[key] = f"{who}, {year.group(1) if year else 'n.d.'}"
-    return cites
-
-
-def _bib_names(field: str) -> list[str]:
-    """A BibTeX author field split at its top-level ``and`` (one inside braces stays)."""
-    names, depth, start = [], 0, 0
-    for m in re.finditer(r"[{}]|\s+and\s+", field):
-        if m.group() == "{":
-            depth += 1
-        elif m.group() == "}":
-            depth -= 1
-        elif depth == 0:
-            names.append(field[start:m.start()].strip())
-            start = m.end()
-    return names + [field[start:].strip()]
-
-
-def _surname(name: str) -> str:
-    """"Kwon, Woosuk" or "Woosuk Kwon" -> "Kwon"; "{Gemma Team}" -> "Gemma Team" (corporate)."""
-    if name.startswith("{") and name.endswith("}"):
-        return name[1:-1].replace("{", "").replace("}", "")
-    surname = name.split(",")[0] if "," in name else name.split()[-1]
-    return re.sub(r"[{}]", "", surname.strip())
+    return bib_labels(bib)
 
 
 class _Noting(dict):
