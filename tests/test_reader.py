@@ -91,8 +91,8 @@ def test_each_myst_form_becomes_what_jupyter_renders():
     assert f"[Why it paid less]({SITE}book/ch05.html#sec-y)" in first  # another page: the website
     assert f"[that part]({SITE}book/ch05.html#sec-y)" in first
     assert f"[Paging the cache]({SITE}book/ch09_paging.html)" in first
-    assert f"[Kwon et al., 2023]({SITE}book/references.html)" in first
-    assert f"as argued ([Kwon et al., 2023]({SITE}book/references.html))" in first
+    assert f"([Kwon et al., 2023]({SITE}book/references.html#ref-kwon2023))" in first
+    assert f"as argued ([Kwon et al., 2023]({SITE}book/references.html#ref-kwon2023))" in first
     assert "reader edition" in first and "a test" in first  # the numbers are marked as the build's
     assert md[1] == '<a id="fig-x"></a>\n\n*Fig. 3.* Steps.'  # the caption under its figure
     assert md[2] == "> **Note**\n>\n> A note with <em>4096</em>."

@@ -10,7 +10,7 @@ what those front ends do render:
   the top says so (the cells, when run, print the reader's own);
 * ``{doc}``, ``{ref}`` and ``{numref}`` become links with the words the website shows
   ("Fig. 5", a section's title), to an anchor on the same page or to the website;
-  ``{cite}`` becomes "(Kwon et al., 2023)" linked to the references page;
+  ``{cite}`` becomes "(Kwon et al., 2023a)", each work linked to its entry on the references page;
 * ``(label)=`` targets become ``<a id="label"></a>``, a figure's caption a line under it;
 * an exercise becomes a quoted block headed with its number, its solution's prose a
   ``<details>`` block and its code a folded cell (Colab's ``cellView: form``, Jupyter's
@@ -179,9 +179,10 @@ class _Resolver:
             return self.link(target, text)
         if name in ("cite", "cite:t", "cite:p"):  # cite:p is the parenthetical form
             keys = [k.strip() for k in body.split(",")]
-            shown = "; ".join(self.cites[k] for k in keys)
-            link = f"[{shown}]({self.site}book/references.html)"
-            return f"({link})" if name == "cite:p" else link
+            # each work linked to its own entry (the site's ids, "ref-<key>"), and in
+            # parentheses, as the website shows {cite} and {cite:p}
+            links = "; ".join(f"[{self.cites[k]}]({self.site}book/references.html#ref-{k})" for k in keys)
+            return links if name == "cite:t" else f"({links})"
         raise ValueError(f"{self.page}: no reader-edition form for the role {{{name}}}")
 
     def prose(self, text: str) -> str:
