@@ -116,7 +116,9 @@ def test_each_rename_and_removal_in_the_changelog_is_true_of_the_code():
     """New names resolve now unless a newer entry renames them again; old and removed names are
     gone unless the row says "still importable" or a newer entry brings the name back."""
     entries = releases(CHANGELOG.read_text(encoding="utf-8"))
-    assert rename_rows(entries[0][2]) or rename_rows(entries[1][2]), "no Renamed table found"
+    # the parser must find the Renamed tables there are (0.4.0's, 0.3.0's): a version that
+    # renames nothing, like 0.4.1 and 0.4.2, has none
+    assert sum(bool(rename_rows(lines)) for _, _, lines in entries) >= 2, "no Renamed table found"
     renamed_later: set[str] = set()
     named_later: set[str] = set()
     problems = []
