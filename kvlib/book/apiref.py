@@ -78,7 +78,7 @@ GROUPS = [
     ("support", "Book support and validation", [],
      ["kvlib.validate", "kvlib.book", "kvlib.book.plot", "kvlib.book.diagrams", "kvlib.book.explorer",
       "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.lean",
-      "kvlib.book.apiref", "kvlib.book.citations"],
+      "kvlib.book.apiref", "kvlib.book.citations", "kvlib.book.search"],
      "the checks behind kvlib's clear errors, and what builds this book"),
 ]
 

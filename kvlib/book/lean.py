@@ -19,6 +19,10 @@ the built folder was 60 MB. It drops:
    (``tex-svg.js``, ``mml-chtml.js``, ..., and ``latest.js``, which loads from a CDN) are
    deleted.
 4. **Source maps** (``*.map``): only a browser's developer tools fetch them.
+5. **The search index on a page that does not search.** pydata-sphinx-theme loads Sphinx's
+   search scripts and the whole index (``searchindex.js``, 360 KB) on every page, for its
+   search-as-you-type; with that off (the default, and this book's), the search box only
+   sends the query to the search page, which loads them itself (`kvlib.book.search`).
 
 The widget runtime (12 MB of ipywidgets bundles) is not vendored at all: no page renders a
 widget (chapter 4's notebook panel gives its place to a live explorer, js/explorers.js),
@@ -43,6 +47,9 @@ UNUSED_MATHJAX = ["tex-svg.js", "tex-svg-full.js", "tex-mml-chtml.js", "tex-mml-
                   "mml-svg.js", "node-main.js", "latest.js"]
 _ICON_TAG = re.compile(r'[ \t]*<script defer src="[./]*' + re.escape(ICON_SCRIPT) + r'[^"]*"></script>\n?')
 _MATH_ON_PAGE = ('class="math', "\\(", "\\[", "$$")
+# the theme's copies of the search page's scripts, on every other page (5.)
+_SEARCH_TAGS = re.compile(r'[ \t]*<script src="[./]*(?:_static/searchtools\.js|_static/language_data\.js|'
+                          r'searchindex\.js)[^"]*"></script>\n?')
 
 
 def page_has_math(body: str) -> bool:
@@ -69,14 +76,17 @@ def refuse_widgets(app, pagename: str, templatename: str, context: dict, doctree
 
 
 def prune(app, exception) -> None:
-    """1, 3 and 4, once every page is written and every asset copied (after
+    """1, 3, 4 and 5, once every page is written and every asset copied (after
     sphinx-mathjax-offline's copy, which is also at build-finished)."""
     if exception is not None or app.builder.format != "html":
         return
     out = Path(app.outdir)
+    as_you_type = app.config.html_theme_options.get("search_as_you_type", False)
     for page in out.rglob("*.html"):
         html = page.read_text(encoding="utf-8")
         lean = _ICON_TAG.sub("", html)
+        if not as_you_type and page != out / "search.html":
+            lean = _SEARCH_TAGS.sub("", lean)
         if lean != html:
             page.write_text(lean, encoding="utf-8")
     shipped = [out / ICON_SCRIPT, *(out / "_static" / "mathjax" / name for name in UNUSED_MATHJAX)]
