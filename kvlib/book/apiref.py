@@ -33,6 +33,8 @@ import re
 import sys
 from pathlib import Path
 
+from kvlib.book.docstrings import link_docstrings
+
 # (slug, title, chapters that teach it, modules, one line on what the page holds)
 GROUPS = [
     ("model", "The model and its caches", ["ch01_naive", "ch02_prefill_decode", "ch02b_numerics",
@@ -78,7 +80,7 @@ GROUPS = [
     ("support", "Book support and validation", [],
      ["kvlib.validate", "kvlib.book", "kvlib.book.plot", "kvlib.book.diagrams", "kvlib.book.explorer",
       "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.lean",
-      "kvlib.book.apiref", "kvlib.book.citations", "kvlib.book.search"],
+      "kvlib.book.apiref", "kvlib.book.docstrings", "kvlib.book.citations", "kvlib.book.search"],
      "the checks behind kvlib's clear errors, and what builds this book"),
 ]
 
@@ -302,7 +304,7 @@ def link(app, doctree, docname: str) -> None:
             lit.replace_self(ref)
             ref += lit
     elif docname.startswith("book/api/"):
-        _link_docstrings(app, doctree, docname)
+        link_docstrings(app, doctree, docname)
         taught = getattr(env, "kvlib_taught", {})
         for desc in doctree.findall(addnodes.desc):
             sig = next(iter(desc.findall(addnodes.desc_signature)), None)
@@ -317,81 +319,6 @@ def link(app, doctree, docname: str) -> None:
                 para += nodes.reference("", env.titles[chapter].astext(), internal=True, refuri=uri)
             content = next(iter(desc.findall(addnodes.desc_content)))
             content.insert(0, para)
-
-
-def _link_docstrings(app, doctree, docname: str) -> None:
-    """A reference page: each name its docstrings write as code (`x` or ``x``) links to its
-    entry when it means one documented kvlib object, read where it is written (`_target`)."""
-    from docutils import nodes
-    from sphinx import addnodes
-
-    env = app.builder.env
-    objects = env.get_domain("py").objects
-    # a module's constant by its bare name (`PRESETS`, `FULL`) where only one module has it
-    constants: dict[str, set[str]] = {}
-    for full, entry in objects.items():
-        if entry.objtype == "data" and full.rpartition(".")[2][:1].isupper():
-            constants.setdefault(full.rpartition(".")[2], set()).add(full)
-    names = {bare: fulls.pop() for bare, fulls in constants.items() if len(fulls) == 1}
-    names.update(env.kvlib_aliases)
-    module, found = None, []
-    for node in doctree.findall(nodes.Element):  # in document order: a module's section, then its text
-        module = next((i[len("module-"):] for i in node.get("ids", ()) if i.startswith("module-")), module)
-        if (isinstance(node, nodes.literal) and not isinstance(node.parent, nodes.reference)
-                and not any(isinstance(a, addnodes.desc_signature) for a in _ancestors(node))):
-            found.append((node, module))
-    for lit, module in found:
-        m = NAME.match(lit.astext().strip())
-        full = m and _target(m.group(1), lit, module, objects, names)
-        if not full:
-            continue
-        entry = objects[full]
-        uri = app.builder.get_relative_uri(docname, entry.docname) + "#" + entry.node_id
-        ref = nodes.reference("", "", internal=True, refuri=uri, reftitle=full)
-        lit.replace_self(ref)
-        lit["classes"] += ["xref", "py", "py-obj"]  # as Sphinx marks a cross-reference's code
-        ref += lit
-
-
-def _ancestors(node):
-    while node.parent is not None:
-        node = node.parent
-        yield node
-
-
-def _target(name: str, lit, module: str | None, objects: dict, aliases: dict[str, str]) -> str | None:
-    """The documented object a docstring's name means, or None (it stays code).
-
-    Read as Python reads a name where it is written: a member of the entry's own class
-    (``step`` in PagedCache's docstrings), then of its module, then a full or unambiguous name
-    (``aliases``: `_aliases`' ``kvlib.memory``, ``PagedCache.step``, ``PagedCache``, and a
-    module's constant by its bare name, ``PRESETS``). A parameter of the
-    entry's own signature is a parameter, not the kvlib object that shares its name (``cache``,
-    ``press``); in a class's docstring its fields come first (a dataclass's ``top_k``).
-    """
-    from sphinx import addnodes
-
-    desc = next((a for a in _ancestors(lit) if isinstance(a, addnodes.desc)), None)
-    sig = next(iter(desc.findall(addnodes.desc_signature)), None) if desc is not None else None
-    local, params, is_class = [], set(), False
-    if sig is not None:
-        module, fullname = sig.get("module") or module, sig.get("fullname", "")
-        is_class = desc.get("objtype") in ("class", "exception")
-        owner = fullname if is_class else fullname.rpartition(".")[0]
-        local += [f"{module}.{owner}.{name}"] if owner else []
-        for param in sig.findall(addnodes.desc_parameter):
-            first = next(iter(param.findall(addnodes.desc_sig_name)), None)
-            params.add(first.astext() if first is not None else "")
-    local += [f"{module}.{name}"] if module else []
-    if name in params and not is_class:
-        return None
-    for full in local:  # by aliases first: in kvlib's own docstring `attention` is the function it exports
-        found = aliases.get(full) or (full if full in objects else None)
-        if found:
-            return found
-    if name in params:
-        return None
-    return aliases.get(name) or (name if name in objects else None)
 
 
 SPANS = re.compile(r'<span class="n">(\w+)</span>(?:<span class="o">\.</span><span class="n">\w+</span>)*')
@@ -437,7 +364,7 @@ def configure(app, config) -> None:
 
     kvlib's docstrings write names in single backticks (`PagedCache`, `x`). Without a default
     role reStructuredText sets them as an italic title (``<cite>``); with ``literal`` they are
-    code, as in the chapters, and `_link_docstrings` links the ones that name a kvlib object.
+    code, as in the chapters, and `kvlib.book.docstrings.link_docstrings` links the ones that name a kvlib object.
     (A cross-referencing role such as ``py:obj`` would warn, and fail this ``-W -n`` build, on
     every parameter and expression.) MyST pages are not affected: their backticks are code.
     """
