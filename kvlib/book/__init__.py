@@ -1,5 +1,6 @@
 """What serves the book rather than teaches the cache: figures, diagrams, the widget panel, the website's data.
 
+* `kvlib.book.tables`: a cell's numbers as a small aligned table (``kvlib.book.table(rows)``);
 * `kvlib.book.plot`: the book's one figure style (`subplots`, `COLORS`, `plain_ticks`);
 * `kvlib.book.diagrams`: pictures of the ideas, drawn before they are measured;
 * `kvlib.book.explorer`: the ipywidgets panel over `kvlib.memory`'s arithmetic;
@@ -10,12 +11,16 @@
   download button open, with no MyST left in it (``python -m kvlib.book.reader``).
 
 These pull in matplotlib or ipywidgets, so ``import kvlib`` never imports them; import
-each on its own (``import kvlib.book.plot``). This package itself holds only `setup`,
-the one line every chapter starts with, and `glue`, which hands a cell's numbers to the
-website's prose; it imports neither.
+each on its own (``import kvlib.book.plot``). This package itself holds `setup`, the one
+line every chapter starts with, `glue`, which hands a cell's numbers to the website's
+prose, and `table`, which prints them; it imports neither.
 """
 
 from __future__ import annotations
+
+from .tables import table
+
+__all__ = ["glue", "setup", "table"]
 
 
 def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) -> None:

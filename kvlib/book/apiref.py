@@ -78,7 +78,7 @@ GROUPS = [
       "kvlib.distributed.cluster", "kvlib.crosscheck.distributed", "kvlib.crosscheck.vllm_distributed"],
      "tensor parallelism, disaggregated prefill and decode, a disk tier, and the cluster's arithmetic"),
     ("support", "Book support and validation", [],
-     ["kvlib.validate", "kvlib.book", "kvlib.book.plot", "kvlib.book.diagrams", "kvlib.book.explorer",
+     ["kvlib.validate", "kvlib.book", "kvlib.book.tables", "kvlib.book.plot", "kvlib.book.diagrams", "kvlib.book.explorer",
       "kvlib.book.requires", "kvlib.book.reader", "kvlib.book.web", "kvlib.book.site", "kvlib.book.lean",
       "kvlib.book.apiref", "kvlib.book.docstrings", "kvlib.book.citations", "kvlib.book.search"],
      "the checks behind kvlib's clear errors, and what builds this book"),
