@@ -13,7 +13,7 @@ Every name is importable from ``kvlib.cache`` itself.
 """
 
 from .dynamic import DynamicCache
-from .protocol import Cache, CacheSpec, Legacy, nbytes_of
+from .protocol import Cache, CacheSpec, Legacy, model_layout, nbytes_of
 from .static import StaticCache
 
-__all__ = ["Cache", "CacheSpec", "DynamicCache", "Legacy", "StaticCache", "nbytes_of"]
+__all__ = ["Cache", "CacheSpec", "DynamicCache", "Legacy", "StaticCache", "model_layout", "nbytes_of"]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import ModelConfig
 from ..validate import positive_int
 
 #: The legacy cache format: one ``(keys, values)`` pair per layer, as old Hugging Face code passes it.
@@ -49,6 +50,26 @@ class CacheSpec:
     @property
     def value_width(self) -> int:
         return self.head_dim if self.value_dim is None else self.value_dim
+
+
+def model_layout(
+    model_or_config: object, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> tuple[ModelConfig, torch.dtype, torch.device]:
+    """What every ``for_model`` needs: ``(config, dtype, device)`` of a `kvlib.Transformer` or a
+    `kvlib.ModelConfig`. ``dtype``/``device`` default to the model's (a config has none: fp32 on
+    the CPU, as a fresh `kvlib.Transformer` is), so a cache built this way matches its model."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"for_model takes a kvlib.Transformer or a kvlib.ModelConfig, got "
+                        f"{type(model_or_config).__name__}")
+    is_model = config is not model_or_config
+    if dtype is None:
+        dtype = model_or_config.dtype if is_model else torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (torch.float32, torch.bfloat16 ...), got {dtype!r}")
+    if device is None:
+        device = model_or_config.device if is_model else torch.device("cpu")
+    return config, dtype, torch.device(device)
 
 
 def nbytes_of(*stores: object) -> int:
