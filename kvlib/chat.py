@@ -56,8 +56,8 @@ class ChatSession:
             cache = StaticCache.for_model(model.config, 1, 256, dtype=model.dtype, device=model.device, grow=True)
         elif not isinstance(cache, Cache):
             raise TypeError(f"cache must be a kvlib Cache, got {type(cache).__name__}")
-        elif cache.seq_len:
-            raise ValueError(f"a new conversation needs an empty cache; this one holds {cache.seq_len} tokens")
+        elif cache.tokens_seen:
+            raise ValueError(f"a new conversation needs an empty cache; this one has seen {cache.tokens_seen} tokens")
         self.model, self.cache, self.reuse = model, cache, reuse
         self.history: list[int] = []  # every token of the conversation, prompts and replies, in order
         self.turns: list[Turn] = []
@@ -65,7 +65,8 @@ class ChatSession:
     @property
     def unfed(self) -> list[int]:
         """Tokens of the conversation not in the cache yet: the last reply's last token, or none."""
-        return self.history[self.cache.seq_len :] if self.reuse else self.history
+        # tokens *seen*, not held: a window cache holds fewer, and every token it was given is fed already
+        return self.history[self.cache.tokens_seen :] if self.reuse else self.history
 
     def say(self, tokens: Iterable[int], max_new_tokens: int, **sampling) -> list[int]:
         """Add a turn (its token ids, chat template included) and generate the reply.
@@ -76,7 +77,7 @@ class ChatSession:
         if not self.reuse:
             self.cache.reset()  # the baseline: forget everything, prefill it all again
         feed = self.unfed + tokens
-        reused = self.cache.seq_len
+        reused = self.cache.tokens_seen
         try:
             reply = list(stream(self.model, feed, max_new_tokens, cache=self.cache, **sampling))
         except BaseException:

@@ -136,6 +136,28 @@ def check_update(make: Factory, dtype: torch.dtype = torch.float32) -> None:
             _fail("seq_len counts tokens", f"get_seq_length({layer}) is {cache.get_seq_length(layer)}, expected {total}")
 
 
+LONG = CHUNKS + [1] * 13  # 20 tokens: past the budget of the small evicting caches a check builds
+
+
+def check_tokens_seen(make: Factory, dtype: torch.dtype = torch.float32) -> None:
+    """``tokens_seen`` counts every token given, evicted or not, as a recompute over the whole text does
+    (its next position); ``tokens_held`` is what ``layer_kv(0)`` returns, and never more than that."""
+    cache = make(L, B, H, D, dtype)
+    total = 0
+    for step, T in enumerate(LONG):
+        for layer in range(L):
+            cache.update(*_kv(T, 100 * step + layer, dtype), layer)
+        total += T
+        seen, held = getattr(cache, "tokens_seen", None), cache.tokens_held
+        if seen != total:
+            _fail("tokens seen", f"tokens_seen is {seen} after {total} tokens (it holds {held}): a cache that "
+                  f"evicts must still count every token it was given, or the next token's position is wrong")
+        kv = cache.layer_kv(0)
+        shown = 0 if kv is None else kv[0].shape[2]
+        if held != shown or held > seen:
+            _fail("tokens seen", f"tokens_held is {held} but layer_kv(0) returns {shown} keys after {total} tokens")
+
+
 def check_layers_independent(make: Factory, dtype: torch.dtype = torch.float32) -> None:
     """Writing layer 1 must not change what layer 0 holds."""
     cache, ks, vs = _filled(make, dtype, [2])
@@ -156,6 +178,12 @@ def check_crop_and_reset(make: Factory, dtype: torch.dtype = torch.float32) -> N
     cache.crop(-1)
     if cache.seq_len != 3:
         _fail("crop keeps a prefix", f"seq_len is {cache.seq_len} after crop(-1) from 4")
+    if cache.tokens_seen != 3:
+        _fail("crop keeps a prefix", f"tokens_seen is {cache.tokens_seen} after crop(-1) from 4")
+    held = storage_bytes(cache)
+    if held != cache.nbytes:
+        _fail("crop keeps a prefix", f"after crop the cache keeps {held} bytes of storage alive but nbytes says "
+              f"{cache.nbytes}: does crop keep a view of the old tensors instead of a copy?")
     k_new, v_new = _kv(1, 7, dtype)
     k_all, _ = cache.update(k_new, v_new, 0)
     _expect_equal("crop keeps a prefix", "layer 0 keys after crop then update", k_all,
@@ -235,21 +263,24 @@ def check_bytes_written(make: Factory, dtype: torch.dtype = torch.float32) -> No
 
 
 def check_reset_new_batch(make: Factory, dtype: torch.dtype = torch.float32) -> None:
-    """After ``reset()`` the cache takes a batch of another size, and holds only the new tokens."""
-    cache, _, _ = _filled(make, dtype, [2], exact=False)
-    cache.reset()
-    k, v = _kv(3, 55, dtype, batch=B + 1)
-    try:
-        keys, values = cache.update(k, v, 0)
-    except (ValueError, TypeError, IndexError) as e:
-        _fail("reset then a new batch size", f"after reset(), an update with batch {B + 1} (was {B}) raised: {e}")
-    for what, got, want in (("keys", keys, k), ("values", values, v)):
-        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), atol=0.5, rtol=0.1):
-            _fail("reset then a new batch size", f"{what} after reset and a batch of {B + 1}: shape "
-                  f"{tuple(got.shape)}, expected the new tokens alone, {tuple(want.shape)} (a lossy cache "
-                  f"may round them)")
-    if cache.seq_len != 3:
-        _fail("reset then a new batch size", f"seq_len is {cache.seq_len} after reset and 3 new tokens")
+    """After ``reset()``, or ``crop(0)``, the cache takes a batch of another size, and holds only the new tokens."""
+    for empty in ("reset()", "crop(0)"):
+        cache, _, _ = _filled(make, dtype, [2], exact=False)
+        cache.reset() if empty == "reset()" else cache.crop(0)
+        k, v = _kv(3, 55, dtype, batch=B + 1)
+        try:
+            keys, values = cache.update(k, v, 0)
+        except Exception as e:  # a crash here (a RuntimeError from a stale buffer) is what this property catches
+            _fail("reset then a new batch size", f"after {empty}, an update with batch {B + 1} (was {B}) raised "
+                  f"{type(e).__name__}: {e}")
+        for what, got, want in (("keys", keys, k), ("values", values, v)):
+            if got.shape != want.shape or not torch.allclose(got.float(), want.float(), atol=0.5, rtol=0.1):
+                _fail("reset then a new batch size", f"{what} after {empty} and a batch of {B + 1}: shape "
+                      f"{tuple(got.shape)}, expected the new tokens alone, {tuple(want.shape)} (a lossy cache "
+                      f"may round them)")
+        if cache.seq_len != 3 or cache.tokens_seen != 3:
+            _fail("reset then a new batch size", f"seq_len is {cache.seq_len} and tokens_seen "
+                  f"{cache.tokens_seen} after {empty} and 3 new tokens")
 
 
 def check_legacy(make: Factory, dtype: torch.dtype = torch.float32) -> None:
@@ -264,15 +295,26 @@ def check_legacy(make: Factory, dtype: torch.dtype = torch.float32) -> None:
 
 
 def check_rejects_bad_updates(make: Factory, dtype: torch.dtype = torch.float32) -> None:
-    """A mismatched batch or head count raises ValueError/TypeError instead of corrupting the cache."""
+    """A mismatched batch or head count raises ValueError/TypeError instead of corrupting the cache:
+    afterwards it reports the same lengths and holds the same keys, and takes a good update."""
     cache, _, _ = _filled(make, dtype, [2], exact=False)
-    k = torch.randn(B + 1, H, 1, D).to(dtype)
-    try:
-        cache.update(k, k.clone(), 0)
-    except (ValueError, TypeError, IndexError):
-        pass
-    else:
-        _fail("rejects bad updates", f"update with batch {B + 1} into a batch-{B} cache did not raise")
+    before = (cache.tokens_seen, cache.tokens_held, cache.layer_kv(0)[0].clone())
+    for bad in (torch.randn(B + 1, H, 1, D), torch.randn(B, H + 1, 1, D)):
+        k = bad.to(dtype)
+        try:
+            cache.update(k, k.clone(), 0)
+        except (ValueError, TypeError, IndexError):
+            pass
+        else:
+            _fail("rejects bad updates", f"update with shape {tuple(k.shape)} into a cache of batch {B}, "
+                  f"{H} KV heads did not raise")
+        after = (cache.tokens_seen, cache.tokens_held, cache.layer_kv(0)[0])
+        if after[:2] != before[:2] or not torch.equal(after[2], before[2]):
+            _fail("rejects bad updates", f"a refused update changed the cache: (tokens_seen, tokens_held) "
+                  f"{before[:2]} -> {after[:2]}")
+    cache.update(*_kv(1, 77, dtype), 0)
+    if cache.tokens_seen != before[0] + 1:
+        _fail("rejects bad updates", f"after a refused update, a good one left tokens_seen at {cache.tokens_seen}")
 
 
 def check_generation(make: Factory) -> None:
@@ -292,7 +334,7 @@ def check_generation(make: Factory) -> None:
         _fail("generation equals recompute", f"tokens differ from full recompute, first at (row, pos) {diff}")
 
 
-PROPERTIES = [check_update, check_layers_independent, check_crop_and_reset, check_nbytes, check_storage,
+PROPERTIES = [check_update, check_tokens_seen, check_layers_independent, check_crop_and_reset, check_nbytes, check_storage,
               check_bytes_written, check_reset_new_batch, check_legacy, check_rejects_bad_updates,
               check_generation]
 
@@ -318,9 +360,9 @@ def check_cache(make: Factory, *, verbose: bool = False, not_applicable: dict[st
     >>> def make(n_layer, batch, n_kv_head, head_dim, dtype):
     ...     return kvlib.DynamicCache(n_layer)
     >>> names = kvlib.check.check_cache(make, verbose=True)
-    ok  DynamicCache: all 10 properties hold (update, layers independent, ...)
+    ok  DynamicCache: all 11 properties hold (update, tokens seen, layers independent, ...)
     >>> len(names)
-    10
+    11
     """
     if not callable(make):
         raise TypeError(f"check_cache takes a factory function, got {type(make).__name__}")

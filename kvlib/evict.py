@@ -41,6 +41,7 @@ class _Budgeted(Cache):
     """
 
     beside_kv = ("pos",)
+    evicts = True
 
     def __init__(self, n_layer: int, budget: int, recent: int) -> None:
         super().__init__(n_layer)
@@ -62,8 +63,13 @@ class _Budgeted(Cache):
             )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens held now (at most the budget), not tokens seen: see `seen`."""
+        """Tokens held now (at most the budget), not tokens seen: see `tokens_seen`."""
         return 0 if self.keys[layer_idx] is None else self.keys[layer_idx].shape[2]
+
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens of text given so far, evicted or not (layer 0's count)."""
+        return self.seen[0]
 
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """Absolute positions: the new tokens continue from every token seen, evicted or not."""
@@ -87,11 +93,44 @@ class _Budgeted(Cache):
         return None if self.keys[layer_idx] is None else (self.keys[layer_idx], self.values[layer_idx])
 
     def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens of the text (not of the slots): the held tokens at
+        positions below it. Refused (``ValueError``) when the cache has already evicted a token that a
+        run over just those tokens would still hold: evicted keys cannot come back."""
         keep = self.crop_length(max_length)
+        if keep == 0:
+            return self.reset()
+        if keep == self.tokens_seen:
+            return
+        self._check_crop(keep)
         for i in range(self.n_layer):
             if self.keys[i] is not None:
-                self.keys[i], self.values[i], self.pos[i] = (t[:, :, :keep] for t in (self.keys[i], self.values[i], self.pos[i]))
-                self.seen[i] = int(self.pos[i].max()) + 1 if keep else 0
+                self._keep_before(i, keep)
+
+    def _needed(self, n: int) -> range | list[int]:
+        """Positions a cache that was given exactly ``n`` tokens must still hold for its next step."""
+        raise NotImplementedError
+
+    def _check_crop(self, n: int) -> None:
+        need = torch.as_tensor(list(self._needed(n)), dtype=torch.long)  # (N,)
+        for i in range(self.n_layer):
+            held = self.kept_positions(i)  # (B, H_kv, S) or None
+            if held is None or not need.numel():
+                continue
+            have = (held[..., None] == need.to(held.device)).any(dim=-2)  # (B, H_kv, N): each needed one held?
+            if bool(have.all()):
+                continue
+            lost = need[~have.all(dim=0).all(dim=0).cpu()].tolist()
+            raise ValueError(
+                f"cannot crop {type(self).__name__} to {n} tokens: layer {i} has already evicted position(s) "
+                f"{lost[:5]}{' ...' if len(lost) > 5 else ''}, which a cache given only those {n} tokens would "
+                f"still hold; crop before the cache evicts them, or prefill the first {n} tokens again")
+
+    def _keep_before(self, i: int, n: int) -> None:
+        """Keep layer ``i``'s held tokens at positions below ``n`` (held in order), as copies."""
+        m = int((self.pos[i][0, 0] < n).sum())
+        self.keys[i], self.values[i] = self.own(self.keys[i][:, :, :m]), self.own(self.values[i][:, :, :m])
+        self.pos[i] = self.pos[i][:, :, :m].clone()
+        self.seen[i] = n
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> None:
         """Keep the held tokens at indices ``keep`` ``(B, H_kv, S')`` (None: all), then append ``k, v``."""
@@ -168,33 +207,36 @@ class WindowCache(_Budgeted):
             self.values[i] = value_states.new_zeros(B, H, W, D)
             self.pos[i] = torch.zeros(B, H, W, dtype=torch.long, device=key_states.device)
         new_pos = torch.arange(self.seen[i], self.seen[i] + T, device=key_states.device)  # (T,)
-        held = self.held[i]
+        held, start = self.held[i], self.start[i]
         if T == 1 and held == W:  # the ring is full: overwrite the oldest slot in place
-            s = self.start[i]
-            self.start[i] = (s + 1) % W
+            s, start, held = start, (start + 1) % W, W
         else:
             self._unroll(i)
+            start = 0
             if held + T > W:  # slide the newest W - T tokens to the front
                 drop = held + T - W
                 for t in (self.keys[i], self.values[i], self.pos[i]):
                     t[:, :, : W - T] = t[:, :, drop:held].clone()
                 self.count_written(self.keys[i][:, :, : W - T], self.values[i][:, :, : W - T])
                 held = W - T
-            s, self.held[i] = held, held + T
+            s, held = held, held + T
         self.keys[i][:, :, s : s + T] = key_states
         self.values[i][:, :, s : s + T] = value_states
         self.pos[i][:, :, s : s + T] = new_pos
+        # the counts change only once the step is stored: a write that fails leaves them as they were
+        self.held[i], self.start[i] = held, start
         self.seen[i] += T
         self.count_written(key_states, value_states)
         return self.layer_kv(i)
 
-    def crop(self, max_length: int) -> None:
-        keep = self.crop_length(max_length)
-        for i in range(self.n_layer):
-            if self.keys[i] is not None:
-                self._unroll(i)
-                self.held[i] = min(self.held[i], keep)
-                self.seen[i] = int(self.pos[i][0, 0, keep - 1]) + 1 if self.held[i] else 0
+    def _needed(self, n: int) -> range:
+        return range(max(0, n - self.window + 1), n)  # what the next query at position n sees
+
+    def _keep_before(self, i: int, n: int) -> None:
+        self._unroll(i)
+        self.held[i] = int((self.pos[i][0, 0, : self.held[i]] < n).sum())
+        self.seen[i] = n
+
 
 
 class SinkCache(_Budgeted):
@@ -233,6 +275,14 @@ class SinkCache(_Budgeted):
         B, T = tokens.shape
         start = min(self.get_seq_length(0), self.budget - T)
         return torch.arange(start, start + T, device=tokens.device).expand(B, T)
+
+    def position_end(self, new_tokens: int) -> int:
+        """Positions count slots, so they never pass the budget, however long the text."""
+        return min(self.tokens_held + new_tokens, self.budget)
+
+    def _needed(self, n: int) -> list[int]:
+        # the sinks, and the recent tokens the next query at position n sees
+        return list(range(min(n, self.n_sink))) + list(range(max(self.n_sink, n - self.window + 1), n))
 
     def update(self, key_states, value_states, layer_idx):
         self.validate_update(key_states, value_states, layer_idx)
@@ -348,6 +398,13 @@ class H2OCache(_Budgeted):
         return (w.to(v.dtype) @ repeat_kv(v, H // H_kv))  # (B, H, Tq, D)
 
     def crop(self, max_length: int) -> None:
+        """Only ``crop(0)`` (empty it) or a crop to every token seen (nothing to do): each held token's
+        score sums the attention of every later query, the cropped ones included, so no prefix of an
+        H2O cache is what a cache given only that prefix would hold."""
         keep = self.crop_length(max_length)
+        if 0 < keep < self.tokens_seen:
+            raise ValueError(
+                f"H2OCache cannot be cropped to {keep} of its {self.tokens_seen} tokens: the scores it ranks by "
+                f"include the attention of the tokens after them, which a crop cannot take back; prefill the "
+                f"first {keep} tokens into a new cache instead")
         super().crop(max_length)
-        self.score = [None if s is None else s[:, :, :keep] for s in self.score]

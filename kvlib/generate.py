@@ -34,6 +34,7 @@ def prefill(model: Transformer, tokens: torch.Tensor, cache: Cache) -> torch.Ten
     >>> kvlib.prefill(model, torch.tensor([[1, 2, 3]]), cache).shape, cache.seq_len
     (torch.Size([1, 128]), 3)
     """
+    check_cache_arg(cache, "prefill")
     return model(tokens, cache, last_only=True)[:, -1]
 
 
@@ -52,8 +53,16 @@ def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.
     >>> torch.cat(new).tolist() == kvlib.generate(model, [1, 2, 3], 5)[0, 3:].tolist()
     True
     """
+    if not isinstance(token, torch.Tensor):
+        raise TypeError(f"token must be a tensor of token ids, (B,) or (B, 1), got {type(token).__name__} "
+                        f"{token!r}: pass torch.tensor([{token!r}])" if isinstance(token, int) else
+                        f"token must be a tensor of token ids, (B,) or (B, 1), got {type(token).__name__}")
     if token.dim() == 1:
         token = token[:, None]  # (B, 1)
+    if token.dim() != 2 or token.shape[1] != 1:
+        raise ValueError(f"decode_step feeds one token per sequence, (B,) or (B, 1); got shape {tuple(token.shape)}"
+                         f" (use prefill for several tokens)")
+    check_cache_arg(cache, "decode_step")
     return model(token, cache, last_only=True)[:, -1]
 
 
@@ -113,14 +122,30 @@ def _as_batch(prompt_ids, model: Transformer, attention_mask=None, pad_id: int =
     return ids.to(device=model.device, dtype=torch.long), valid
 
 
-def _check_len(model: Transformer, prompt_len: int, past: int, max_new_tokens: int) -> None:
+def _check_len(model: Transformer, prompt_len: int, cache: Cache | None, max_new_tokens: int) -> None:
+    """The whole generation's positions fit ``max_seq_len``: ``tokens_seen + prompt + new``, or less for a
+    cache whose positions count slots (`Cache.position_end`)."""
     int_at_least("max_new_tokens", max_new_tokens, 0)
-    total = past + prompt_len + max_new_tokens
-    if total > model.config.max_seq_len:
+    past = 0 if cache is None else cache.tokens_seen
+    end = prompt_len + max_new_tokens if cache is None else cache.position_end(prompt_len + max_new_tokens)
+    if end > model.config.max_seq_len:
         raise ValueError(
-            f"{past} cached + {prompt_len} prompt + {max_new_tokens} new = {total} tokens "
-            f"exceeds max_seq_len={model.config.max_seq_len}"
+            f"{past} tokens seen + {prompt_len} prompt + {max_new_tokens} new = {past + prompt_len + max_new_tokens} "
+            f"tokens exceeds max_seq_len={model.config.max_seq_len}"
         )
+
+
+def check_cache_arg(cache: object, who: str) -> None:
+    """``cache`` is None or a kvlib `Cache`; else a ``TypeError`` that says what to pass instead."""
+    if cache is None or isinstance(cache, Cache):
+        return
+    if type(cache).__name__ == "PagedCache":
+        raise TypeError(
+            f"{who} take a kvlib Cache, and a PagedCache is a pool of blocks shared by many sequences, not one "
+            f"sequence's cache: run it with kvlib.Engine(model, paged_cache).run(prompts), or drive one step "
+            f"yourself with `with paged_cache.step(seq_ids, tokens) as batch: model(tokens, batch)`")
+    raise TypeError(f"cache must be a kvlib Cache (DynamicCache, StaticCache, ...) or None, "
+                    f"got {type(cache).__name__}")
 
 
 # -- the shared loop ---------------------------------------------------------------------------
@@ -243,10 +268,11 @@ def _stream(model, ids: torch.Tensor, valid: torch.Tensor | None, params: Sampli
     """The checks (at call time), then the lazy loop."""
     n_new = params.need_max_new_tokens()
     B, T = ids.shape
-    past = 0 if cache is None else cache.seq_len
+    check_cache_arg(cache, "generate and stream")
+    past = 0 if cache is None else cache.tokens_seen
     if valid is not None and past > 0:
-        raise ValueError(f"padded prompts need an empty cache; this one already holds {past} tokens")
-    _check_len(model, T, past, n_new)
+        raise ValueError(f"padded prompts need an empty cache; this one has already seen {past} tokens")
+    _check_len(model, T, cache, n_new)
     if cache is None and n_new > 0:
         cache = _default_cache(model, B, T + n_new)
     if valid is not None and cache is not None:
@@ -328,6 +354,6 @@ def generate_naive(
     n_new = params.need_max_new_tokens()
     ids, valid = _as_batch(prompt_ids, model, attention_mask, pad_id)
     B, T = ids.shape
-    _check_len(model, T, 0, n_new)
+    _check_len(model, T, None, n_new)
     toks = list(_loop(_naive_stepper(model, ids, valid), B, params, ids.device, sync_every=16))
     return _join(ids, valid, pad_id, toks, params)

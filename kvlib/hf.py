@@ -281,7 +281,10 @@ class HFQuantizedCache(Cache):
         return hf_cache_bytes(self.hf)
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError(f"Hugging Face's quantized cache ({self.backend!r}) cannot be cropped")
+        if self.crop_length(max_length) == 0:
+            return self.reset()  # crop(0) empties it, as every cache's does
+        raise NotImplementedError(f"Hugging Face's quantized cache ({self.backend!r}) cannot be cropped, except "
+                                  f"to 0 (reset)")
 
     def layer_kv(self, layer_idx):
         layer = self.hf.layers[self.check_layer(layer_idx)]

@@ -88,6 +88,11 @@ class _Kinds(Cache):
         kind = self.layers[self.check_layer(layer_idx)]
         return kind.source if kind.kind == "shared" else layer_idx
 
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens of text given so far, evicted or not (layer 0's count; every layer sees every token)."""
+        return self.seen[0]
+
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """Absolute positions: the new tokens continue from every token seen, evicted or not."""
         B, T = tokens.shape
@@ -157,7 +162,9 @@ class Recompute(_Kinds):
         return nbytes_of(self.keys, self.values)
 
     def crop(self, max_length: int) -> None:
-        raise ValueError("Recompute is a one-pass reference: make a new one instead of cropping")
+        if self.crop_length(max_length) == 0:
+            return self.reset()
+        raise ValueError("Recompute is a one-pass reference: make a new one instead of cropping (or crop(0))")
 
     def layer_kv(self, layer_idx):
         i = self.owner(layer_idx)
@@ -191,6 +198,11 @@ class HybridCache(_Kinds):
     """
 
     beside_kv = ("pos", "step", "lent")
+
+    @property
+    def evicts(self) -> bool:
+        """Whether some layer drops tokens it was given (a window or a chunked layer)."""
+        return any(kind.kind in ("window", "chunked") for kind in self.layers)
 
     @classmethod
     def for_model(cls, config) -> "HybridCache":
@@ -299,7 +311,8 @@ class HybridCache(_Kinds):
                 self.held[i] = int((self.pos[i] >= 0).sum())
             else:
                 n = int((self.pos[i] < keep).sum())
-                self.keys[i], self.values[i], self.pos[i] = (self.keys[i][:, :, :n], self.values[i][:, :, :n],
-                                                             self.pos[i][:n])
+                if n < self.held[i]:  # copies: a view would keep the whole old tensor alive, unseen by nbytes
+                    self.keys[i], self.values[i] = self.own(self.keys[i][:, :, :n]), self.own(self.values[i][:, :, :n])
+                    self.pos[i] = self.pos[i][:n].clone()
                 self.held[i] = n
         self.step, self.lent = [None] * self.n_layer, {}

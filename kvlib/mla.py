@@ -144,7 +144,7 @@ class MLAAttention(nn.Module):
         """The new tokens' query parts, and the latents and RoPE keys of every cached token."""
         c = self.cfg
         B, T = self._check_x(x)
-        past = 0 if cache is None else cache.seq_len
+        past = 0 if cache is None else cache.tokens_seen
         if positions is None:
             positions = torch.arange(past, past + T, device=x.device)
         cos, sin = rope_cos_sin(positions.expand(B, T), c.d_rope, c.rope_base, dtype=x.dtype)  # (B, T, d_rope)

@@ -304,15 +304,19 @@ class Transformer(nn.Module):
         at = None if logits_at is None else positions_to_score(logits_at, T, tokens.device)
         if at is not None and logits_to_keep:
             raise ValueError(f"pass logits_at or last_only/logits_to_keep, not both (logits_to_keep={logits_to_keep})")
-        past = 0 if cache is None else cache.seq_len
-        # A row is one sequence, except in a packed batch, whose `longest` sequence is what must fit.
-        longest = getattr(cache, "longest", past + T)
-        if longest > self.config.max_seq_len:
-            raise ValueError(f"{past} cached + {T} new tokens exceeds max_seq_len={self.config.max_seq_len}"
-                             if longest == past + T else
+        # Two lengths (see kvlib.cache.protocol): the keys this step attends to after the held ones, and
+        # the positions it takes, which count every token seen (an evicting cache holds fewer).
+        held = 0 if cache is None else cache.tokens_held
+        # One past the largest position of this step; a packed paged batch (many sequences in a row) names
+        # its `longest` sequence, which is what must fit.
+        longest = getattr(cache, "longest", None)
+        end = (T if cache is None else cache.position_end(T)) if longest is None else longest
+        if end > self.config.max_seq_len:
+            raise ValueError(f"{end - T} tokens seen + {T} new tokens exceeds max_seq_len={self.config.max_seq_len}"
+                             if longest is None else
                              f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
         positions = self._positions(tokens, cache, positions)
-        mask = self._mask(tokens, cache, past, key_valid, mask)
+        mask = self._mask(tokens, cache, held, key_valid, mask)
 
         if self._rope_table is not None:  # batch-invariant: one table, looked up
             cos, sin = (t[positions].to(self.dtype) for t in self._rope_table)  # (B, T, D) each

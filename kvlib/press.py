@@ -309,6 +309,7 @@ class PressCache(_Budgeted):
     def reset(self) -> None:
         super().reset()
         self.pending = [False] * self.n_layer  # prefilled, not yet compressed
+        self.pressed_at = [0] * self.n_layer  # tokens seen when each layer was compressed (0: not yet)
         self.last_layer: int | None = None
 
     def update(self, key_states, value_states, layer_idx):
@@ -347,11 +348,22 @@ class PressCache(_Budgeted):
         idx = keep[..., None].expand(-1, -1, -1, k.shape[3])  # (B, H_kv, n, D)
         self.keys[layer], self.values[layer] = k.gather(2, idx), v.gather(2, idx)
         self.pos[layer] = self.pos[layer].gather(2, keep)
+        self.pressed_at[layer] = self.seen[layer]
         self.count_written(self.keys[layer], self.values[layer])
 
     def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens of the text: any length from the compressed prompt on
+        (the tokens decoded after it were appended, not scored), or 0. Shorter is refused: which prompt
+        tokens the press kept depended on the tokens after the cut."""
         super().crop(max_length)
         self.pending = [p and self.get_seq_length(i) > 0 for i, p in enumerate(self.pending)]
+
+    def _check_crop(self, n: int) -> None:
+        at = max(self.pressed_at)
+        if n < at:
+            raise ValueError(
+                f"cannot crop PressCache to {n} tokens: it compressed its {at}-token prompt, and which tokens "
+                f"it kept depended on all {at}; crop to {at} or more, or prefill the first {n} tokens again")
 
 
 @torch.inference_mode()

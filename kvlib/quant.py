@@ -273,6 +273,8 @@ class QuantizedCache(Cache):
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
+        if keep == 0:
+            return self.reset()  # empty: the next update may bring another batch size
         for layer in range(self.n_layer):
             kv = self.layer_kv(layer)
             if kv is None:
@@ -398,6 +400,8 @@ class FP8Cache(Cache):
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
+        if keep == 0:
+            return self.reset()
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 if t is not None:

@@ -190,7 +190,7 @@ class _Target:
     def length(self) -> int:
         if isinstance(self.cache, PagedCache):
             return self.cache.num_tokens(self.sid)
-        return self.cache.seq_len
+        return self.cache.tokens_seen
 
     def crop(self, n: int) -> None:
         if isinstance(self.cache, PagedCache):
@@ -360,6 +360,11 @@ def speculative_generate(
         raise TypeError(f"draft must have a propose(context_ids, k) method, got {type(draft).__name__}")
     if cache is not None and not isinstance(cache, (Cache, PagedCache)):
         raise TypeError(f"cache must be a kvlib Cache or PagedCache, got {type(cache).__name__}")
+    if isinstance(cache, Cache) and cache.evicts:
+        raise ValueError(
+            f"speculative_generate rolls the cache back after every rejected guess, and a {type(cache).__name__} "
+            f"evicts: a verify step's guesses can push out tokens that a rollback cannot bring back. Use a cache "
+            f"that keeps every token (kvlib.DynamicCache, kvlib.StaticCache, a quantized cache, a PagedCache)")
     vocab = model.config.vocab_size
     draft_vocab = getattr(draft, "vocab_size", vocab)
     if draft_vocab != vocab:
@@ -368,8 +373,7 @@ def speculative_generate(
     B, T = ids.shape
     if B != 1:
         raise ValueError(f"speculative_generate runs one sequence at a time, got a batch of {B}")
-    past = 0 if cache is None or isinstance(cache, PagedCache) else cache.seq_len
-    _check_len(model, T, past, max_new_tokens)
+    _check_len(model, T, None if isinstance(cache, PagedCache) else cache, max_new_tokens)
     if cache is None:
         cache = StaticCache.for_model(model.config, 1, T + max_new_tokens, dtype=model.dtype, device=model.device)
 

@@ -103,7 +103,7 @@ def test_bad_input_is_refused(tiny):
         ChatSession(tiny, cache=object())
     full = kvlib.DynamicCache(tiny.config.n_layer)
     kvlib.prefill(tiny, torch.tensor([[1, 2]]), full)
-    with pytest.raises(ValueError, match="needs an empty cache; this one holds 2 tokens"):
+    with pytest.raises(ValueError, match="needs an empty cache; this one has seen 2 tokens"):
         ChatSession(tiny, cache=full)
     chat = ChatSession(tiny)
     with pytest.raises(ValueError, match="at least one token"):

@@ -110,7 +110,9 @@ REGISTRY = {
     "SinkCache": (lambda n, b, h, d, dt: SinkCache(n, 2, 14, 10000.0), {}),
     "SinkCache(evicting)": (lambda n, b, h, d, dt: SinkCache(n, 1, 2, 10000.0),
                             {p: EVICTS for p in ("update", "crop and reset", "nbytes", "legacy", "generation")}),
-    "H2OCache": (lambda n, b, h, d, dt: ObservedH2O(n, 4, 12), {}),
+    "H2OCache": (lambda n, b, h, d, dt: ObservedH2O(n, 4, 12),
+                 {"crop and reset": "its scores sum the attention of later queries, which a crop cannot take "
+                                    "back, so it refuses crop(n) for 0 < n < tokens_seen (tests/test_evict.py)"}),
     "H2OCache(evicting)": (lambda n, b, h, d, dt: ObservedH2O(n, 1, 2),
                            {p: EVICTS for p in ("update", "crop and reset", "nbytes", "legacy", "generation")}),
     "HybridCache(all full)": (lambda n, b, h, d, dt: HybridCache([full()] * n), {}),

@@ -149,15 +149,16 @@ def test_h2o_cache_evicts_by_the_weights_its_attention_recorded(model):
 
 
 def test_every_cache_passes_the_protocol_checks_when_it_never_evicts():
-    assert len(check_cache(lambda n, b, h, d, dt: WindowCache(n, 16))) == 10
-    assert len(check_cache(lambda n, b, h, d, dt: SinkCache(n, 2, 14, 10000.0))) == 10
+    assert len(check_cache(lambda n, b, h, d, dt: WindowCache(n, 16))) == 11
+    assert len(check_cache(lambda n, b, h, d, dt: SinkCache(n, 2, 14, 10000.0))) == 11
 
 
 def test_small_budgets_declare_which_properties_do_not_apply():
     reason = "it evicts: it holds the last 3 tokens, not everything"
     na = {p: reason for p in ("update", "crop and reset", "nbytes", "legacy", "generation")}
     passed = check_cache(lambda n, b, h, d, dt: WindowCache(n, 3), not_applicable=na)
-    assert passed == ["layers independent", "storage", "bytes written", "reset new batch", "rejects bad updates"]
+    assert passed == ["tokens seen", "layers independent", "storage", "bytes written", "reset new batch",
+                      "rejects bad updates"]
     with pytest.raises(ValueError, match="no property"):
         check_cache(lambda n, b, h, d, dt: WindowCache(n, 3), not_applicable={"speed": "?"})
 

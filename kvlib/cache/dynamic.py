@@ -60,10 +60,13 @@ class DynamicCache(Cache):
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
+        if keep == 0:
+            return self.reset()  # empty: the next update may bring another batch size
         for layer in range(self.n_layer):
-            if self.keys[layer] is not None:
-                self.keys[layer] = self.keys[layer][:, :, :keep]
-                self.values[layer] = self.values[layer][:, :, :keep]
+            if self.keys[layer] is not None and keep < self.keys[layer].shape[2]:
+                # a copy, not a view: a view would keep the whole old tensor alive (and nbytes would not see it)
+                self.keys[layer] = self.own(self.keys[layer][:, :, :keep])
+                self.values[layer] = self.own(self.values[layer][:, :, :keep])
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         k = self.keys[layer_idx]

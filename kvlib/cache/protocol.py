@@ -9,8 +9,19 @@ Every cache speaks the protocol of Hugging Face's ``Cache`` (transformers 5.x)::
 HF's ``update`` takes the same three arguments first, then extras (a ``cache_kwargs``
 dict in transformers 4.x, ``**kwargs`` in 5.x) that kvlib does not need.
 ``key_states`` and ``value_states`` are ``(batch, kv_heads, new_tokens, head_dim)``. The model
-calls ``update`` once per layer per forward pass, in layer order, so
-``cache.seq_len`` (the length of layer 0) is the position of the next token.
+calls ``update`` once per layer per forward pass, in layer order.
+
+A cache's length has two names, one meaning each:
+
+* ``cache.tokens_seen``: tokens of text the cache has been given, so the index in the text of the
+  next token (and, for every cache but `kvlib.evict.SinkCache`, its RoPE position);
+* ``cache.tokens_held`` (also ``cache.seq_len`` and ``get_seq_length(0)``): what layer 0 stores.
+
+They are equal until a cache evicts (`kvlib.evict`, a `kvlib.hybrid.HybridCache` with window or
+chunked layers, `kvlib.press.PressCache`): then ``tokens_held`` stays at the budget while
+``tokens_seen`` counts on. Hugging Face's sliding-window layers report tokens seen from
+``get_seq_length``; kvlib's ``get_seq_length`` keeps meaning "held", and ``crop(n)`` takes a length of
+*text* (``n <= tokens_seen``), refusing when the tokens it would have to keep are already evicted.
 
 A cache also says *where* a step's tokens sit and *what they may see*:
 ``cache.positions(tokens)`` gives their RoPE positions and ``cache.mask(tokens)``
@@ -120,6 +131,7 @@ class Cache(abc.ABC):
     """
 
     same_width = True  # keys and values are equally wide; a cache that stores two widths says False
+    evicts = False  # True for a cache that may drop tokens it was given (a budget, a window, a press)
     beside_kv: tuple[str, ...] = ()  # attributes holding tensors kept beside K/V (positions, scores),
     # which nbytes and bytes_written leave out; `kvlib.check.storage_bytes` skips them too
 
@@ -153,7 +165,8 @@ class Cache(abc.ABC):
 
     @abc.abstractmethod
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens; a negative value drops ``-max_length`` tokens from the end."""
+        """Keep the first ``max_length`` tokens of the text; a negative value drops ``-max_length`` tokens
+        from the end. ``crop(0)`` empties the cache, as `reset` does."""
 
     @abc.abstractmethod
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -162,8 +175,14 @@ class Cache(abc.ABC):
     # -- where a step's tokens sit and what they may see -------------------------------------------
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` RoPE positions of a step's new ``tokens`` ``(B, T)``: right after what is cached."""
-        past, (B, T) = self.seq_len, tokens.shape
+        past, (B, T) = self.tokens_seen, tokens.shape
         return torch.arange(past, past + T, device=tokens.device).expand(B, T)
+
+    def position_end(self, new_tokens: int) -> int:
+        """One past the largest RoPE position the next ``new_tokens`` tokens take: what a model's
+        ``max_seq_len`` must cover. ``tokens_seen + new_tokens`` unless positions count slots in the
+        cache (`kvlib.evict.SinkCache`)."""
+        return self.tokens_seen + new_tokens
 
     def mask(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The step's attention mask ``(B or 1, 1, T, past + T)``, True = may attend.
@@ -181,9 +200,20 @@ class Cache(abc.ABC):
 
     # -- helpers for subclasses -------------------------------------------------------------------
     @property
-    def seq_len(self) -> int:
-        """Tokens held (in layer 0, which is updated first in every forward)."""
+    def tokens_held(self) -> int:
+        """Tokens stored in layer 0 (updated first in every forward): at most the budget of a cache that evicts."""
         return self.get_seq_length(0)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens held, as `tokens_held` (kept for Hugging Face's and earlier kvlib's name)."""
+        return self.tokens_held
+
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens of text given to the cache so far, evicted or not: the next token's index in the text.
+        Equal to `tokens_held` for a cache that keeps everything; a cache that evicts overrides it."""
+        return self.tokens_held
 
     @property
     def spec(self) -> CacheSpec | None:
@@ -253,13 +283,14 @@ class Cache(abc.ABC):
             )
 
     def crop_length(self, max_length: int) -> int:
-        """How many tokens ``crop(max_length)`` keeps: ``max_length``, or ``seq_len + max_length`` if negative."""
+        """How many tokens of text ``crop(max_length)`` keeps: ``max_length`` (at most `tokens_seen`),
+        or ``tokens_seen + max_length`` if negative."""
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise TypeError(f"crop takes an int, got {type(max_length).__name__}")
-        have = self.seq_len
+        have = self.tokens_seen
         keep = max_length if max_length >= 0 else have + max_length
         if keep < 0:
-            raise IndexError(f"cannot drop {-max_length} tokens from a cache that holds {have}")
+            raise IndexError(f"cannot drop {-max_length} tokens from a cache that has seen {have}")
         return min(keep, have)
 
     def to_legacy(self) -> Legacy:
@@ -273,7 +304,8 @@ class Cache(abc.ABC):
         return tuple(out)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(n_layer={self.n_layer}, seq_len={self.seq_len}, nbytes={self.nbytes})"
+        seen = f", tokens_seen={self.tokens_seen}" if self.tokens_seen != self.tokens_held else ""
+        return f"{type(self).__name__}(n_layer={self.n_layer}, seq_len={self.seq_len}{seen}, nbytes={self.nbytes})"
 
 
 def _check_legacy(past: Legacy) -> None:

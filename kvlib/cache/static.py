@@ -125,6 +125,8 @@ class StaticCache(Cache):
 
     def crop(self, max_length: int) -> None:
         keep = self.crop_length(max_length)
+        if keep == 0:
+            return self.reset()
         self.lengths = [min(n_, keep) for n_ in self.lengths]
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
