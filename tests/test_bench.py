@@ -50,7 +50,7 @@ def test_threads_must_be_positive(capsys):
 
 @pytest.mark.smollm2
 def test_quick_bench_runs_end_to_end(tmp_path):
-    """``python -m kvlib.bench --quick`` runs every section and writes JSON (a smoke test, no timing claims)."""
+    """``python -m kvbench --quick`` runs every section and writes JSON (a smoke test, no timing claims)."""
     threads = torch.get_num_threads()
     out = tmp_path / "bench.json"
     try:
@@ -71,7 +71,7 @@ def test_quick_bench_runs_end_to_end(tmp_path):
 
 
 def test_the_stored_bench_record_is_a_full_run():
-    """kvlib.data.bench_record() is what `python -m kvlib.bench --compile --json` wrote: every section, the
+    """kvbench.load_record() is what `python -m kvbench --compile --json` wrote: every section, the
     machine it ran on, and token sequences that agreed (a record with differing tokens must not be shipped)."""
     from kvlib.data import bench_record
 
@@ -86,7 +86,7 @@ def test_the_stored_bench_record_is_a_full_run():
 
 def test_bare_matvecs_refuses_what_it_cannot_time():
     from kvlib import ModelConfig, Transformer
-    from kvlib.bench import bare_matvecs
+    from kvbench import bare_matvecs
     from kvlib.wquant import quantize_weights
 
     cfg = ModelConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=64, max_seq_len=32)

@@ -1,7 +1,7 @@
 """The shape of the house: one idea per module, no import cycles, and a README that lists every module.
 
-kvlib is a package of modules and of subpackages (`kvlib.cache`, `kvlib.paged`, `kvlib.bench`,
-`kvlib.book`); each check walks them all. A module is named by its dotted path under kvlib
+kvlib is a package of modules and of subpackages (`kvlib.cache`, `kvlib.paged`, `kvbench`,
+`kvbook`); each check walks them all. A module is named by its dotted path under kvlib
 (``paged.cache``); a package by its folder (``paged``), standing for its ``__init__.py``.
 """
 
@@ -101,7 +101,7 @@ def test_the_readme_module_table_lists_exactly_the_modules():
 
 
 def test_pyproject_installs_every_subpackage():
-    """A plain (non-editable) install, as in Colab, must carry kvlib.cache, kvlib.paged, kvlib.bench, kvlib.book."""
+    """A plain (non-editable) install, as in Colab, must carry kvlib.cache, kvlib.paged, kvbench, kvbook."""
     import tomllib
 
     from setuptools import find_packages

@@ -231,9 +231,9 @@ def test_every_citation_shows_the_label_of_the_entry_it_opens():
 
 
 def test_the_reader_editions_cite_with_the_sites_labels():
-    """kvlib.book.reader labels citations itself (Colab shows no Sphinx): by key, its labels are
+    """kvbook.reader labels citations itself (Colab shows no Sphinx): by key, its labels are
     the References page's (an entry's id is ``ref-`` and its key)."""
-    from kvlib.book.reader import bib_citations
+    from kvbook.reader import bib_citations
 
     site = {anchor.removeprefix("ref-"): label for anchor, label in bibliography().items()}
     reader = bib_citations((ROOT / "references.bib").read_text(encoding="utf-8"))
