@@ -36,7 +36,7 @@ from pathlib import Path
 from kvbook.docstrings import link_docstrings
 
 # (slug, title, chapters that teach it, modules, one line on what the page holds)
-GROUPS = [
+KVLIB_GROUPS = [
     ("model", "The model and its caches", ["ch01_naive", "ch02_prefill_decode", "ch02b_numerics",
                                             "ch03_where_cache_lives"],
      ["kvlib", "kvlib.config", "kvlib.model", "kvlib.attention", "kvlib.generate", "kvlib.sampling",
@@ -58,39 +58,51 @@ GROUPS = [
       "kvlib.paged.kernel", "kvlib.simulate", "kvlib.scheduler", "kvlib.engine", "kvlib.radix"],
      "blocks, block tables, prefix caching, and the engine that schedules them"),
     ("long", "Long contexts", ["ch10_long_context", "ch10a_budget_limits", "ch10b_compression"],
-     ["kvlib.evict", "kvlib.press", "kvlib.needle", "kvlib.evaluate", "kvpresscheck",
-      "kvpresscheck.reference", "kvpresscheck.workload", "kvpresscheck.driver",
-      "kvpresscheck.compare", "kvpresscheck.kvlib_side", "kvpresscheck.kvpress_side"],
-     "caches under a budget, prompt compression, and the check against NVIDIA's kvpress"),
+     ["kvlib.evict", "kvlib.press", "kvlib.needle", "kvlib.evaluate"],
+     "caches under a budget, and prompt compression"),
     ("speed", "Decoding fast", ["ch05_step_time", "ch11_decode_fast", "ch11b_weight_formats"],
-     ["kvlib.kernels", "kvlib.native", "kvlib.prepack", "kvlib.packed", "kvlib.timing", "kvbench",
-      "kvbench.plan", "kvbench.generation", "kvbench.huggingface", "kvbench.roofline",
-      "kvbench.precision", "kvbench.split_kv", "kvbench.compiled", "kvbench.invariant",
-      "kvbench.serving", "kvbench.report", "kvbench.cli"],
-     "the kernels, the packed weights, timing, and the benchmark"),
-    ("serving", "Serving", ["ch12_serving", "ch12c_engines"],
-     ["kvlib.speculative", "vllmcheck", "vllmcheck.workload", "vllmcheck.driver",
-      "vllmcheck.compare", "vllmcheck.kvlib_side", "vllmcheck.vllm_side"],
-     "speculative decoding, and vLLM run beside kvlib"),
+     ["kvlib.kernels", "kvlib.native", "kvlib.prepack", "kvlib.packed", "kvlib.timing"],
+     "the kernels, the packed weights, and timing"),
+    ("serving", "Serving", ["ch12_serving", "ch12c_engines"], ["kvlib.speculative"],
+     "speculative decoding"),
     ("distributed", "Beyond one machine", ["ch13_beyond_one_machine", "ch13b_disaggregation"],
      ["kvlib.distributed", "kvlib.distributed.launch", "kvlib.distributed.tp", "kvlib.distributed.disagg",
       "kvlib.distributed.disk", "kvlib.distributed.chunkfile", "kvlib.distributed.tiered",
-      "kvlib.distributed.cluster", "vllmcheck.distributed", "vllmcheck.vllm_distributed"],
+      "kvlib.distributed.cluster"],
      "tensor parallelism, disaggregated prefill and decode, a disk tier, and the cluster's arithmetic"),
-    ("support", "Book support and validation", [],
-     ["kvlib.validate", "kvbook", "kvbook.tables", "kvbook.plot", "kvbook.diagrams", "kvbook.explorer",
+    ("support", "Validation", [], ["kvlib.validate"], "the checks behind kvlib's clear errors"),
+]
+# The packages beside kvlib (they import it; `import kvlib` loads none of them): a section of their own.
+TOOLING_GROUPS = [
+    ("harnesses", "The cross-checks and the benchmark",
+     ["ch04_how_big", "ch09b_serving_blocks", "ch10b_compression", "ch11_decode_fast", "ch11b_weight_formats",
+      "ch12_serving", "ch12c_engines", "ch13_beyond_one_machine", "ch13b_disaggregation"],
+     ["vllmcheck", "vllmcheck.workload", "vllmcheck.driver", "vllmcheck.compare", "vllmcheck.kvlib_side",
+      "vllmcheck.vllm_side", "vllmcheck.distributed", "vllmcheck.vllm_distributed",
+      "kvpresscheck", "kvpresscheck.reference", "kvpresscheck.workload", "kvpresscheck.driver",
+      "kvpresscheck.compare", "kvpresscheck.kvlib_side", "kvpresscheck.kvpress_side",
+      "kvbench", "kvbench.plan", "kvbench.generation", "kvbench.huggingface", "kvbench.roofline",
+      "kvbench.precision", "kvbench.split_kv", "kvbench.compiled", "kvbench.invariant",
+      "kvbench.serving", "kvbench.report", "kvbench.cli"],
+     "vLLM and NVIDIA's kvpress run beside kvlib (`vllmcheck`, `kvpresscheck`), and the benchmark (`kvbench`)"),
+    ("tooling", "The book's tooling", [],
+     ["kvbook", "kvbook.tables", "kvbook.plot", "kvbook.diagrams", "kvbook.explorer",
       "kvbook.requires", "kvbook.reader", "kvbook.web", "kvbook.site", "kvbook.lean",
       "kvbook.apiref", "kvbook.docstrings", "kvbook.citations", "kvbook.search"],
-     "the checks behind kvlib's clear errors, and what builds this book"),
+     "what builds this book (`kvbook`): figures, tables, glue, the reader editions and the site"),
 ]
+GROUPS = KVLIB_GROUPS + TOOLING_GROUPS
+PACKAGES = ("kvlib", "kvbook", "kvbench", "vllmcheck", "kvpresscheck")  # what the reference documents
 
 
 def all_modules() -> list[str]:
-    """Every kvlib module and package (``__main__`` entry points aside)."""
-    import kvlib
-
-    found = ["kvlib"] + [m.name for m in pkgutil.walk_packages(kvlib.__path__, "kvlib.")]
-    return sorted(n for n in found if not n.endswith("__main__"))
+    """Every module and package of kvlib and of the tooling beside it (``__main__`` entry points and private
+    modules, such as ``kvlib._moved``, aside)."""
+    found = []
+    for top in PACKAGES:
+        pkg = importlib.import_module(top)
+        found += [top] + [m.name for m in pkgutil.walk_packages(pkg.__path__, f"{top}.")]
+    return sorted(n for n in found if not any(part.startswith("_") for part in n.split(".")))
 
 
 def reexports(name: str) -> list[str]:
@@ -112,8 +124,11 @@ def reexports(name: str) -> list[str]:
 
 def page(slug: str, title: str, chapters: list[str], modules: list[str], blurb: str) -> str:
     taught = ", ".join(f"{{doc}}`../{c}`" for c in chapters)
+    source = ("kvlib's docstrings" if all(m.split(".")[0] == "kvlib" for m in modules) else
+              "their docstrings. These packages live beside kvlib, not in it: they import kvlib, and "
+              "`import kvlib` loads none of them")
     lines = [f"(api-{slug})=", f"# {title}", "",
-             f"The reference for {blurb}, rendered from kvlib's docstrings."
+             f"The reference for {blurb}, rendered from {source}."
              + (f" The chapters that teach it: {taught}." if chapters else ""),
              "Each entry lists the chapters that mention or use it."]
     for name in modules:
@@ -126,14 +141,18 @@ def page(slug: str, title: str, chapters: list[str], modules: list[str], blurb: 
 
 
 def index() -> str:
-    rows = "\n".join(f"| {{doc}}`{slug}` | {blurb} |" for slug, _, _, _, blurb in GROUPS)
+    rows = "\n".join(f"| {{doc}}`{slug}` | {blurb} |" for slug, _, _, _, blurb in KVLIB_GROUPS)
+    tooling = "\n".join(f"| {{doc}}`{slug}` | {blurb} |" for slug, _, _, _, blurb in TOOLING_GROUPS)
     return ("(api)=\n# kvlib reference\n\n"
             "Every public name of kvlib, from its own docstrings, grouped as the chapters meet them. "
             "A chapter links the first mention or use of each name here; each entry lists the chapters "
             "that mention or use it. The examples (`>>>`) assume `import torch` and `import kvlib`, run on the tiny "
             "preset in milliseconds, and are run as tests (`tests/test_doctests.py`), so they stay true. "
             "What changed between versions, and the old names of renamed ones, is in the "
-            "{doc}`../changelog`.\n\n| page | what it holds |\n| --- | --- |\n" + rows + "\n")
+            "{doc}`../changelog`.\n\n| page | what it holds |\n| --- | --- |\n" + rows + "\n"
+            "\n## Beside kvlib\n\nThe book's tooling is not part of kvlib: four packages in the same "
+            "repository (and the same wheel) that import kvlib, which never imports them. Their reference "
+            "is here too, apart.\n\n| page | what it holds |\n| --- | --- |\n" + tooling + "\n")
 
 
 def pages() -> dict[str, str]:
@@ -168,7 +187,7 @@ def _aliases(objects: dict) -> dict[str, str]:
         counts.setdefault(alias, set()).add(full)
 
     for full, entry in objects.items():
-        if not full.startswith("kvlib.") or entry.objtype == "module":
+        if not full.startswith(tuple(f"{p}." for p in PACKAGES)) or entry.objtype == "module":
             add(full, full)  # a module only by its full name: "cache" or "model" is a variable
             continue
         parts = full.split(".")
