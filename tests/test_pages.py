@@ -229,8 +229,8 @@ def test_every_exception_names_a_page_a_budget_and_a_reason():
 
 # -- the back-matter page about the book's machinery names every stored record truly -----------------
 def record_rows(page: str) -> dict[str, str]:
-    """``{"vllm_cpu.json": "<its table row>"}`` from the records table of book/checks.md."""
-    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w.]+\.json)` \|.*$", page, re.M)}
+    """``{"vllmcheck/data/vllm_cpu.json": "<its table row>"}`` from the records table of book/checks.md."""
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w./]+\.json)` \|.*$", page, re.M)}
 
 
 def record_facts(record: dict) -> list[str]:
@@ -246,11 +246,12 @@ def record_facts(record: dict) -> list[str]:
 def test_the_checks_page_names_each_record_its_run_and_date():
     page = (ROOT / "book" / "checks.md").read_text()
     rows = record_rows(page)
-    records = sorted(p for p in (ROOT / "kvlib" / "data").glob("*.json"))
-    assert sorted(rows) == [p.name for p in records], "the table should list exactly kvlib/data's records"
-    for path in records:
-        for fact in record_facts(json.loads(path.read_text())):
-            assert fact in rows[path.name], f"{path.name}: the page's row does not say {fact!r}"
+    records = sorted(p.relative_to(ROOT).as_posix() for top in ("kvlib", "kvbench", "vllmcheck", "kvpresscheck")
+                     for p in (ROOT / top / "data").glob("*.json"))
+    assert sorted(rows) == records, "the table should list exactly the records in kvlib's and the harnesses' data/"
+    for name in records:
+        for fact in record_facts(json.loads((ROOT / name).read_text())):
+            assert fact in rows[name], f"{name}: the page's row does not say {fact!r}"
 
 
 def test_the_record_check_can_fail():
