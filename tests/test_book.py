@@ -243,7 +243,7 @@ def test_a_chapter_uses_the_readers_cores_and_pins_threads_only_while_timing(pat
     """setup() leaves torch's thread count alone; a pin lives in `with threads(n):` only, which
     restores the count (a bare set_num_threads would leave every later cell on it)."""
     code = "\n".join(source(c) for c in load(path)["cells"] if c["cell_type"] == "code")
-    assert re.search(r"kvlib\.book\.setup\(\)", code), "the set-up line should be kvbook.setup()"
+    assert re.search(r"kvbook\.setup\(\)", code), "the set-up line should be kvbook.setup()"
     assert not re.search(r"setup\(threads=", code), "a chapter-wide thread pin"
     assert "set_num_threads" not in code, "a thread count set by hand is never put back"
 

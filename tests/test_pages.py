@@ -262,7 +262,7 @@ def test_the_record_check_can_fail():
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
-def test_a_page_glues_through_kvlib_book_glue_only(path):
+def test_a_page_glues_through_kvbook_glue_only(path):
     """`kvbook.glue` refuses sentences; myst_nb's own glue would take them."""
     cells = json.loads(path.read_text())["cells"]
     code = "\n".join(source(c) for c in cells if c["cell_type"] == "code")
