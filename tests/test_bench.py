@@ -72,7 +72,7 @@ def test_quick_bench_runs_end_to_end(tmp_path):
 
 
 def test_the_stored_bench_record_is_a_full_run():
-    """kvbench.load_record() (kvlib.data.bench_record until 0.5) is what `python -m kvbench --compile --json` wrote: every section, the
+    """kvbench.load_record() is what `python -m kvbench --compile --json` wrote: every section, the
     machine it ran on, and token sequences that agreed (a record with differing tokens must not be shipped)."""
     from kvbench import load_record
 
