@@ -18,50 +18,50 @@ ready:
 
 book: ready
 	rm -rf _build/html  # Sphinx does not overwrite a changed static file; the executed notebooks stay cached in _build/.jupyter_cache
-	$(PY) -m kvlib.book.web js/explorers-data.js  # the explorers' presets and tables, from kvlib itself
+	$(PY) -m kvbook.web js/explorers-data.js  # the explorers' presets and tables, from kvlib itself
 	.ci/phase book jupyter-book build -W -n --keep-going .  # .ci/phase: timed for CI's table
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
 reader: book  # the reader editions (reader/*.ipynb, committed): the chapters with no MyST, for Jupyter and Colab
-	$(PY) -m kvlib.book.reader reader
+	$(PY) -m kvbook.reader reader
 
 demo: ready
 	$(PY) -m kvlib
-	$(PY) -m kvlib.bench --json bench.json
+	$(PY) -m kvbench --json bench.json
 
 bench: ready
-	$(PY) -m kvlib.bench --json bench.json
+	$(PY) -m kvbench --json bench.json
 
 # vLLM beside kvlib (issue 27): `make vllm` builds its environment (.venv-vllm, about 3 minutes, 2 GB); `make crosscheck`
-# runs both engines on the same requests and checks them against the stored record (kvlib/data/vllm_cpu.json).
+# runs both engines on the same requests and checks them against the stored record (vllmcheck/data/vllm_cpu.json).
 vllm:
 	./scripts/vllm_env.sh .venv-vllm
 
 vllm-ready:
 	@./scripts/once.sh vllm .venv-vllm/bin/python requirements-vllm.txt scripts/vllm_env.sh pyproject.toml \
-	  kvlib/hf.py kvlib/pretrained.py kvlib/crosscheck/driver.py -- ./scripts/vllm_env.sh .venv-vllm
+	  kvlib/hf.py kvlib/pretrained.py vllmcheck/driver.py -- ./scripts/vllm_env.sh .venv-vllm
 
 crosscheck: ready vllm-ready
-	$(PY) -m kvlib.crosscheck --json _build/vllm_cpu.json --against kvlib/data/vllm_cpu.json
+	$(PY) -m vllmcheck --json _build/vllm_cpu.json --against vllmcheck/data/vllm_cpu.json
 
 # vLLM past one process (issue 31): tensor_parallel_size=3 (three worker processes) beside kvlib's single process,
 # the sizes it refuses, and its KV connectors (which start on a CPU, which load a stored prefix); about 4 minutes on
-# 2 cores, one vLLM at a time, against the stored record (kvlib/data/vllm_distributed_cpu.json).
+# 2 cores, one vLLM at a time, against the stored record (vllmcheck/data/vllm_distributed_cpu.json).
 distcheck: ready vllm-ready
-	$(PY) -m kvlib.crosscheck.distributed --json _build/vllm_distributed_cpu.json --against kvlib/data/vllm_distributed_cpu.json
+	$(PY) -m vllmcheck.distributed --json _build/vllm_distributed_cpu.json --against vllmcheck/data/vllm_distributed_cpu.json
 
 # NVIDIA's kvpress beside kvlib's presses (issue 30): `make kvpress` builds its environment (.venv-kvpress, about 2
 # minutes, 1.4 GB); `make presscheck` runs kvpress, kvlib.press and the brute-force reference on one passage and
-# checks which positions each keeps against the stored record (kvlib/data/kvpress_cpu.json).
+# checks which positions each keeps against the stored record (kvpresscheck/data/kvpress_cpu.json).
 kvpress:
 	PY=$(PY) ./scripts/kvpress_env.sh .venv-kvpress
 
 kvpress-ready: ready
 	@./scripts/once.sh kvpress .venv-kvpress/bin/python requirements-kvpress.txt scripts/kvpress_env.sh pyproject.toml \
-	  kvlib/hf.py kvlib/pretrained.py kvlib/crosscheck/driver.py -- env PY=$(PY) ./scripts/kvpress_env.sh .venv-kvpress
+	  kvlib/hf.py kvlib/pretrained.py vllmcheck/driver.py -- env PY=$(PY) ./scripts/kvpress_env.sh .venv-kvpress
 
 presscheck: ready kvpress-ready
-	$(PY) -m kvlib.presscheck --json _build/kvpress_cpu.json --against kvlib/data/kvpress_cpu.json
+	$(PY) -m kvpresscheck --json _build/kvpress_cpu.json --against kvpresscheck/data/kvpress_cpu.json
 
 # The dependency floors' environment (.venv-floors: every dependency at the lowest version pyproject.toml allows),
 # where CI runs the reader editions as readers' machines do (.ci/run, scripts/portable_run.sh).

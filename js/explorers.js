@@ -1,7 +1,7 @@
 // The book's explorers, live in the reader's browser: no kernel, no network.
 //
 // A page asks for one with <div class="kv-explorer" data-explorer="cache|step|paging">.
-// Every number starts from explorers-data.js, which `python -m kvlib.book.web` writes at
+// Every number starts from explorers-data.js, which `python -m kvbook.web` writes at
 // build time from kvlib's own presets and tables. This file holds only the few
 // formulas, and each one names the kvlib function it mirrors; the browser test
 // (tests/test_explorers.py) checks them against kvlib on a grid of settings.
@@ -38,7 +38,7 @@
     if (k.kind === "shared") return "shared(" + k.source + ")";
     return k.kind + "(" + k.size + (k.sinks ? ", sinks=" + k.sinks : "") + ")";
   }
-  // kvlib.book.explorer.cache_terms: one term of the formula per kind of layer
+  // kvbook.explorer.cache_terms: one term of the formula per kind of layer
   function cacheTerms(m, seqLen, batch, width) {
     const terms = new Map();
     for (const k of m.layers) {
@@ -106,7 +106,7 @@
     return x.toLocaleString("en", { maximumFractionDigits: digits || 0,
                                     minimumFractionDigits: digits || 0 });
   }
-  function size(n) {  // as kvlib.book.explorer._size: binary units (chapter 4 counts in GiB)
+  function size(n) {  // as kvbook.explorer._size: binary units (chapter 4 counts in GiB)
     const units = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
     for (const [unit, scale] of units) if (n >= scale) return sep(n / scale, 2) + " " + unit;
     return sep(n) + " B";
@@ -276,7 +276,7 @@
   // -- the three explorers -------------------------------------------------------------------------
   const BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
-  // kvlib.book.explorer.formula_text: the terms written out, one per kind of layer
+  // kvbook.explorer.formula_text: the terms written out, one per kind of layer
   function formulaText(terms, m, b, width) {
     const hybrid = !(terms.length === 1 && terms[0].kind === "full");
     const parts = [];
@@ -296,15 +296,15 @@
     return parts.join(" + ") + (shared ? " (and 0 for " + count(shared, "shared layer") + ")" : "");
   }
 
-  // kvlib.book.explorer.kv_heads_apply: some layer stores K and V per head (not MLA's latent)
+  // kvbook.explorer.kv_heads_apply: some layer stores K and V per head (not MLA's latent)
   function headsApply(m) { return m.layers.some(k => k.kind !== "latent" && k.kind !== "shared"); }
-  // kvlib.book.explorer.limit_text: a context past the model's limit (its max_seq_len)
+  // kvbook.explorer.limit_text: a context past the model's limit (its max_seq_len)
   function limitText(m, s) {
     return s <= m.max_seq_len ? "" : sep(s) + " tokens is past " + m.name + "'s context limit of " +
       sep(m.max_seq_len) + " tokens (the longest it was trained for): the arithmetic holds, but the " +
       "model is not made to serve it.";
   }
-  // kvlib.book.explorer.heads_text: why the KV-heads control does nothing for an MLA model
+  // kvbook.explorer.heads_text: why the KV-heads control does nothing for an MLA model
   function headsText(m) {
     const latent = m.layers.find(k => k.kind === "latent");
     return headsApply(m) || !latent ? "" : m.name + " caches one latent of " + sep(latent.size) +
@@ -312,7 +312,7 @@
       "does not change the cache.";
   }
 
-  function cacheExplorer(box, data) {  // mirrors kvlib.book.explorer.cache_report
+  function cacheExplorer(box, data) {  // mirrors kvbook.explorer.cache_report
     const form = el("form", { class: "kv-controls" });
     const models = Object.entries(data.models).map(([k, m]) => [k, m.name]);
     const model = control(form, "model", models, "llama-2-7b");
@@ -457,7 +457,7 @@
     onResize(box, refresh);
   }
 
-  function pagingExplorer(box, data) {  // reads the table kvlib.book.web.paging_table simulated
+  function pagingExplorer(box, data) {  // reads the table kvbook.web.paging_table simulated
     const p = data.paging, d = p.default;
     const form = el("form", { class: "kv-controls" });
     const traceNames = Object.entries(p.traces).map(([k, t]) =>
@@ -509,7 +509,7 @@
   const EXPLORERS = { cache: cacheExplorer, step: stepExplorer, paging: pagingExplorer };
 
   // The data is a script, explorers-data.js, that sets window.kvExplorerData (written by
-  // `python -m kvlib.book.web`). A script, not a JSON file to fetch: a page opened from disk
+  // `python -m kvbook.web`). A script, not a JSON file to fetch: a page opened from disk
   // (file://) may not fetch the file beside it, but it may run it. Added only to the pages that
   // have an explorer, so no other page loads it.
   function start() {
@@ -526,7 +526,7 @@
         box.dataset.ready = "true";
       });
     };
-    script.onerror = () => fail(script.src + " is missing (run `python -m kvlib.book.web`)");
+    script.onerror = () => fail(script.src + " is missing (run `python -m kvbook.web`)");
     document.head.append(script);
   }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);

@@ -1,4 +1,4 @@
-// The search page's snippets (kvlib.book.search, loaded on search.html only, after Sphinx's
+// The search page's snippets (kvbook.search, loaded on search.html only, after Sphinx's
 // searchtools.js). Sphinx cut a result's snippet around the first place its words appear in
 // the page's main element, which begins with the page's header (its buttons, "PDF") and the
 // in-page table of contents ("Contents 9.1 Overview 9.2 ..."). Here the text is the

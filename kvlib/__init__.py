@@ -12,18 +12,24 @@ The top level holds what a chapter or an exercise reaches for first:
 * generation: `SamplingParams`, `sample`, `prefill`, `decode_step`, `generate`,
   `generate_naive`, `stream`.
 
-Everything else lives in its module, one idea each (`kvlib.paged` and `kvlib.bench` are
+Everything else lives in its module, one idea each (`kvlib.paged` and `kvlib.cache` are
 packages of such modules), and is imported the first time it is used (PEP 562): after
 ``import kvlib``, ``kvlib.memory`` or ``kvlib.paged`` loads on first access. So the first
 import stays light: the model, the caches, attention and generation, and nothing of the
-simulator, the roofline profiler, Hugging Face or matplotlib. `kvlib.book` (figures,
-diagrams, the widget panel, the website's data) serves the chapters, not the cache.
+simulator, the roofline profiler, Hugging Face or matplotlib.
+
+The book's tooling lives beside kvlib, not in it (it imports kvlib, never the reverse):
+`kvbook` (figures, glue, tables, reader editions, the site), `kvbench` (``python -m kvbench``),
+`vllmcheck` and `kvpresscheck` (kvlib beside vLLM and beside kvpress). Their old names
+(``kvlib.book``, ``kvlib.bench``, ``kvlib.crosscheck``, ``kvlib.presscheck``) still work in
+0.5, with a DeprecationWarning, and go in 0.6 (`kvlib._moved`).
 """
 
 from __future__ import annotations
 
 import importlib
 
+from . import _moved
 from .attention import attention, attention_mask, causal_mask, decode_attention, grouped_attention, repeat_kv, softmax
 from .cache import Cache, CacheSpec, DynamicCache, StaticCache
 from .config import PRESETS, ModelConfig
@@ -38,15 +44,19 @@ _LAZY_NAMES = {
 }
 # The submodules a chapter reaches as kvlib.<name> (the core ones above are loaded already).
 _SUBMODULES = (
-    "bench", "book", "chat", "check", "cost", "crosscheck", "data", "distributed", "engine", "evaluate", "evict", "gqa",
+    "chat", "check", "cost", "data", "distributed", "engine", "evaluate", "evict", "gqa",
     "hardware", "hf", "invariant", "kernels", "layers", "memory", "mla", "needle", "numerics", "packed", "paged",
-    "press", "presscheck", "pretrained", "quant", "radix",
+    "press", "pretrained", "quant", "radix",
     "scheduler",
     "simulate", "speculative", "timing", "validate", "wquant",
 )
 
+_moved.install()  # the tooling's old names (kvlib.book, ...) for one version: kvlib 0.6 drops them
+
 
 def __getattr__(name: str):
+    if f"kvlib.{name}" in _moved.MOVED:  # kvlib.book after `import kvlib`: warns, gives kvbook (not in dir())
+        return importlib.import_module(f"kvlib.{name}")
     if name in _LAZY_NAMES:
         value = getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
     elif name in _SUBMODULES:

@@ -168,7 +168,7 @@ def grouped_attention(
     return out.reshape(B, H, Tq, D)
 
 
-# Measured on this book's build machine (torch 2.13, 30 layers, `python -m kvlib.bench` section
+# Measured on this book's build machine (torch 2.13, 30 layers, `python -m kvbench` section
 # (h)): for fp32 the grouped decode read streamed the cache faster than SDPA's one task per
 # query head, 1.1x at 1,024 keys to 1.5x at 8,192 in the stored 2-thread run; for bf16 the two
 # were within 10% when tried by hand at 8,192 keys, so bf16 keeps SDPA's own GQA path.

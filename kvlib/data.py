@@ -1,19 +1,17 @@
-"""Data shipped inside kvlib: Tiny Shakespeare, and a stored benchmark record.
+"""Data shipped inside kvlib: Tiny Shakespeare.
 
 The file is Andrej Karpathy's ``tinyshakespeare/input.txt`` (public-domain plays,
 1,115,394 characters). ``split="val"`` is its last 10%, the slice nanoGPT holds
 out. Nothing in kvlib trains on it; the book uses it to compare a model with a
 modified copy of itself (fewer KV heads, a quantized cache).
 
-``bench_record()`` is the JSON that ``python -m kvlib.bench --compile --json`` wrote
-on the machine that builds the book: measurements too slow to repeat inside a
-chapter (Hugging Face's loader, ``torch.compile``), kept as data with their date,
-machine and load, so a chapter can quote them and say where they came from.
+The stored benchmark run moved with the benchmark in 0.5: it is `kvbench.load_record`
+now (``bench_record`` here forwards to it, with a DeprecationWarning, until 0.6).
 """
 
 from __future__ import annotations
 
-import json
+import importlib
 from pathlib import Path
 
 PATH = Path(__file__).with_name("data") / "tinyshakespeare.txt"
@@ -29,9 +27,8 @@ def tiny_shakespeare(split: str = "val") -> str:
 
 
 def bench_record(name: str = "cpu") -> dict:
-    """The stored ``python -m kvlib.bench`` results ``data/bench_<name>.json``, as a dict."""
-    path = PATH.with_name(f"bench_{name}.json")
-    if not path.is_file():
-        have = sorted(p.stem.removeprefix("bench_") for p in PATH.parent.glob("bench_*.json"))
-        raise ValueError(f"no stored bench record {name!r}; kvlib has {have}")
-    return json.loads(path.read_text(encoding="utf-8"))
+    """Deprecated (kvlib 0.5; goes in 0.6): the stored benchmark run is ``kvbench.load_record(name)``."""
+    from . import _moved
+
+    _moved.warn("kvlib.data.bench_record", "kvbench.load_record")
+    return importlib.import_module("kvbench").load_record(name)

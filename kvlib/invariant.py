@@ -30,7 +30,7 @@ order fixed by the *data's own* coordinates, never by the batch or the step:
 Adds and multiplies of single elements are exact IEEE operations whatever the
 vectorisation, so what is left is the same sequence of operations on the same numbers.
 ``model.set_batch_invariant(True)`` switches a `kvlib.Transformer` over; it costs speed
-(a prefill loses its matrix-matrix products; ``python -m kvlib.bench --invariant``
+(a prefill loses its matrix-matrix products; ``python -m kvbench --invariant``
 measures how much). It holds for one machine, one torch build and one thread count,
 which is all batch invariance promises: a different CPU may round differently, but
 always the same way for every batch.

@@ -40,7 +40,7 @@ class Linear(nn.Module):
     every weight matrix, and on the CPUs we measured, torch's matrix-vector
     path streamed small ``(in, out)`` matrices (SmolLM2's are a few MB) clearly
     faster than ``(out, in)`` ones, and large ones about equally fast
-    (``python -m kvlib.bench`` reports both ratios).
+    (``python -m kvbench`` reports both ratios).
     """
 
     batch_invariant = False  # set by Transformer.set_batch_invariant: every row by the same call

@@ -1,4 +1,4 @@
-"""Small timing helpers the chapters and `kvlib.bench` share.
+"""Small timing helpers the chapters and `kvbench` share.
 
 Every timing is wall-clock ``time.perf_counter``, warmed up first, and reported as a
 median with the raw samples beside it: CPUs are noisy, so compare ratios measured in

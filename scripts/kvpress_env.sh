@@ -14,14 +14,14 @@ fi
 "$py" -m pip install -q --no-deps -r requirements-kvpress.txt
 "$py" -m pip install -q --no-deps -e .
 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error "$py" -c \
-  "import kvpress, transformers, kvlib.presscheck.kvpress_side; print('kvpress imports, transformers', transformers.__version__)"
+  "import kvpress, transformers, kvpresscheck.kvpress_side; print('kvpress imports, transformers', transformers.__version__)"
 # Written again when the code that writes it changes (a kept environment, .ci/envcache, would else serve an old
 # export): its source hash is stored beside it.
-source_hash="$(cat kvlib/hf.py kvlib/pretrained.py kvlib/crosscheck/driver.py | sha256sum | cut -c1-16)"
+source_hash="$(cat kvlib/hf.py kvlib/pretrained.py vllmcheck/driver.py | sha256sum | cut -c1-16)"
 if [ "$(cat "$venv/smollm2-hf/.source" 2>/dev/null)" != "$source_hash" ]; then
   rm -rf "$venv/smollm2-hf"
   # Written by the book's python (${PY:-python}): it has the GGUF reader and SmolLM2's weights package, which this
   # environment does not need. The checkpoint is plain LlamaForCausalLM safetensors, read by transformers 5.2 too.
-  HF_HUB_DISABLE_PROGRESS_BARS=1 "${PY:-python}" -m kvlib.crosscheck export "$venv/smollm2-hf"
+  HF_HUB_DISABLE_PROGRESS_BARS=1 "${PY:-python}" -m vllmcheck export "$venv/smollm2-hf"
   echo "$source_hash" > "$venv/smollm2-hf/.source"
 fi

@@ -12,13 +12,13 @@ fi
 # Exactly the tried set, and nothing it does not list (see requirements-vllm.txt for why --no-deps).
 "$py" -m pip install -q --no-deps -r requirements-vllm.txt
 "$py" -m pip install -q --no-deps -e .
-"$py" -c "import vllm, kvlib.crosscheck.vllm_side; print('vLLM', vllm.__version__, 'imports')"
+"$py" -c "import vllm, vllmcheck.vllm_side; print('vLLM', vllm.__version__, 'imports')"
 # Written again when the code that writes it changes (a kept environment, .ci/envcache, would else serve an old
 # export): its source hash is stored beside it.
-source_hash="$(cat kvlib/hf.py kvlib/pretrained.py kvlib/crosscheck/driver.py | sha256sum | cut -c1-16)"
+source_hash="$(cat kvlib/hf.py kvlib/pretrained.py vllmcheck/driver.py | sha256sum | cut -c1-16)"
 if [ "$(cat "$venv/smollm2-hf/.source" 2>/dev/null)" != "$source_hash" ]; then
   rm -rf "$venv/smollm2-hf" "$venv/kvlib-cache"
   # A conversion cache of its own: the book's (~/.cache/kvlib) is made by the book's transformers
-  KVLIB_CACHE_DIR="$venv/kvlib-cache" "$py" -m kvlib.crosscheck export "$venv/smollm2-hf"
+  KVLIB_CACHE_DIR="$venv/kvlib-cache" "$py" -m vllmcheck export "$venv/smollm2-hf"
   echo "$source_hash" > "$venv/smollm2-hf/.source"
 fi

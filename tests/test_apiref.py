@@ -1,4 +1,4 @@
-"""kvlib's reference pages (`kvlib.book.apiref`): every module on one page, pages up to date,
+"""kvlib's reference pages (`kvbook.apiref`): every module on one page, pages up to date,
 and, in the built site, an entry for every public name and chapter links that land on one."""
 
 import importlib
@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from kvlib.book.apiref import GROUPS, all_modules, pages
+from kvbook.apiref import GROUPS, all_modules, pages
 
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / "book" / "api"
@@ -25,7 +25,7 @@ def test_the_pages_are_what_apiref_writes():
     for name, text in pages().items():
         path = API / name
         assert path.is_file() and path.read_text(encoding="utf-8") == text, \
-            f"{path} is out of date: run `python -m kvlib.book.apiref book/api`"
+            f"{path} is out of date: run `python -m kvbook.apiref book/api`"
     assert sorted(p.name for p in API.glob("*.md")) == sorted(pages())
 
 

@@ -6,55 +6,56 @@ import numpy as np
 import pytest
 import torch
 
-from kvlib import bench, prepack
+import kvbench
+from kvlib import prepack
 
 
 def test_load_average_is_none_where_the_os_has_none(monkeypatch):
     monkeypatch.delattr(os, "getloadavg", raising=False)  # Windows has no os.getloadavg
-    assert bench.load_average() is None
-    m = bench.machine_info(2)
+    assert kvbench.load_average() is None
+    m = kvbench.machine_info(2)
     assert m["loadavg_start"] is None
-    assert "n/a at start, n/a at end" in bench.header(m | {"loadavg_end": None})
+    assert "n/a at start, n/a at end" in kvbench.header(m | {"loadavg_end": None})
 
     def unavailable():
         raise OSError("load average unobtainable")
 
     monkeypatch.setattr(os, "getloadavg", unavailable, raising=False)
-    assert bench.load_average() is None
+    assert kvbench.load_average() is None
 
 
 def test_header_shows_the_load_average(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 0.5), raising=False)
-    m = bench.machine_info(2) | {"loadavg_end": bench.load_average()}
-    assert m["loadavg_start"] == 1.5 and "1.50 at start, 1.50 at end" in bench.header(m)
+    m = kvbench.machine_info(2) | {"loadavg_end": kvbench.load_average()}
+    assert m["loadavg_start"] == 1.5 and "1.50 at start, 1.50 at end" in kvbench.header(m)
 
 
 def test_json_keeps_ints_as_ints():
     r = {"bytes": 123, "ms": 1.5, "identical": True, "measured": None, "contexts": (16, 64),
          "rows": [{"n": 3}], "np": np.int64(7), "t": torch.tensor(2.5)}
-    out = json.loads(json.dumps(bench.json_ready(r)))
+    out = json.loads(json.dumps(kvbench.json_ready(r)))
     assert out == {"bytes": 123, "ms": 1.5, "identical": True, "measured": None, "contexts": [16, 64],
                    "rows": [{"n": 3}], "np": 7, "t": 2.5}
     assert type(out["bytes"]) is int and type(out["rows"][0]["n"]) is int and type(out["np"]) is int
     assert type(out["identical"]) is bool and type(out["ms"]) is float
-    assert '"bytes": 123,' in json.dumps(bench.json_ready(r))
+    assert '"bytes": 123,' in json.dumps(kvbench.json_ready(r))
     with pytest.raises(TypeError, match="cannot write"):
-        bench.json_ready({"x": object()})
+        kvbench.json_ready({"x": object()})
 
 
 def test_threads_must_be_positive(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--threads", "0"])
+        kvbench.main(["--threads", "0"])
     assert "--threads must be a positive int, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.smollm2
 def test_quick_bench_runs_end_to_end(tmp_path):
-    """``python -m kvlib.bench --quick`` runs every section and writes JSON (a smoke test, no timing claims)."""
+    """``python -m kvbench --quick`` runs every section and writes JSON (a smoke test, no timing claims)."""
     threads = torch.get_num_threads()
     out = tmp_path / "bench.json"
     try:
-        assert bench.main(["--quick", "--threads", "1", "--json", str(out)]) == 0  # 0: every token sequence agreed
+        assert kvbench.main(["--quick", "--threads", "1", "--json", str(out)]) == 0  # 0: every token sequence agreed
     finally:
         torch.set_num_threads(threads)
     r = json.loads(out.read_text())
@@ -63,30 +64,30 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     packed = {"bf16 packed"} if prepack.available() else set()  # only where oneDNN has a bf16 path
     assert set(r["precision"]) == {"fp32", "bf16", "int8", "int4"} | packed
     assert r["precision"]["fp32"]["agreement"] == 1.0 and r["precision"]["bf16"]["agreement_bf16"] == 1.0
-    assert set(r["attention"]) == {str(c) for c in bench.QUICK.attention_contexts} and set(r["threads"]) >= {"1"}
+    assert set(r["attention"]) == {str(c) for c in kvbench.QUICK.attention_contexts} and set(r["threads"]) >= {"1"}
     speed = ("decode / bare", "bf16 (", "bf16 decode speedup", "int8 decode", "int4 decode", "attention at")
     assert all(t["why"] for t in r["targets"] if t["pass"] is False and t["claim"].startswith(speed))
     assert all(g["identical"] for g in r["generation"].values()) and r["hf"]["identical"]
-    assert type(r["roofline"][f"decode_ctx{bench.QUICK.contexts[0]}"]["bytes"]) is int  # ints stay ints
+    assert type(r["roofline"][f"decode_ctx{kvbench.QUICK.contexts[0]}"]["bytes"]) is int  # ints stay ints
 
 
 def test_the_stored_bench_record_is_a_full_run():
-    """kvlib.data.bench_record() is what `python -m kvlib.bench --compile --json` wrote: every section, the
+    """kvbench.load_record() is what `python -m kvbench --compile --json` wrote: every section, the
     machine it ran on, and token sequences that agreed (a record with differing tokens must not be shipped)."""
-    from kvlib.data import bench_record
+    from kvbench import load_record
 
-    r = bench_record()
+    r = load_record()
     assert set(r) >= {"machine", "generation", "decode", "hf", "hf_bf16", "same_bytes", "precision", "split_kv",
                       "compile", "targets"}
     assert r["machine"]["threads"] == 2 and r["machine"]["date"]
     assert all(g["identical"] for g in r["generation"].values()) and r["hf"]["identical"]
     with pytest.raises(ValueError, match="no stored bench record 'gpu'"):
-        bench_record("gpu")
+        load_record("gpu")
 
 
 def test_bare_matvecs_refuses_what_it_cannot_time():
     from kvlib import ModelConfig, Transformer
-    from kvlib.bench import bare_matvecs
+    from kvbench import bare_matvecs
     from kvlib.wquant import quantize_weights
 
     cfg = ModelConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=64, max_seq_len=32)
@@ -100,9 +101,9 @@ def test_bare_matvecs_refuses_what_it_cannot_time():
 
 def test_every_target_chapter_11_makes_says_why_when_it_misses():
     """A miss of a speed target carries the measured bound behind it; a pass carries none."""
-    from kvlib.data import bench_record
+    from kvbench import load_record
 
-    r = bench_record()
+    r = load_record()
     speed = ("decode / bare", "bf16 (", "bf16 decode speedup", "int8 decode", "int4 decode", "attention at",
              "kvlib Engine")
     for t in r["targets"]:

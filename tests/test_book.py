@@ -88,7 +88,7 @@ GLUE_OPTIONS = {"display"}  # keywords of myst_nb.glue that are not names
 
 
 def glue_names(code: str) -> list[str]:
-    """The names a cell's code glues: ``glue("a", x)`` (myst_nb's) and ``kvlib.book.glue(a=x, b=y)``."""
+    """The names a cell's code glues: ``glue("a", x)`` (myst_nb's) and ``kvbook.glue(a=x, b=y)``."""
     import ast
 
     try:
@@ -109,7 +109,7 @@ def glue_names(code: str) -> list[str]:
 
 
 def test_glue_names_reads_both_forms():
-    assert glue_names('glue("a", 1, display=False)\nkvlib.book.glue(b=2, c=3)\nglue(d=4)') == ["a", "b", "c", "d"]
+    assert glue_names('glue("a", 1, display=False)\nkvbook.glue(b=2, c=3)\nglue(d=4)') == ["a", "b", "c", "d"]
 
 
 def glued_twice(code_cells: list[str]) -> list[str]:
@@ -124,7 +124,7 @@ def glued_twice(code_cells: list[str]) -> list[str]:
 def test_the_glued_twice_check_can_fail():
     assert glued_twice(['glue("a", 1)', 'glue("b", 2)\nglue( "a", 3)']) == ["a"]
     assert glued_twice(['glue("a", 1)\nglue("a", 2)', 'glue("b", 1)']) == []  # one cell: its last value shows
-    assert glued_twice(['kvlib.book.glue(a=1)', 'kvlib.book.glue(b=2, a=3)']) == ["a"]
+    assert glued_twice(['kvbook.glue(a=1)', 'kvbook.glue(b=2, a=3)']) == ["a"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -243,7 +243,7 @@ def test_a_chapter_uses_the_readers_cores_and_pins_threads_only_while_timing(pat
     """setup() leaves torch's thread count alone; a pin lives in `with threads(n):` only, which
     restores the count (a bare set_num_threads would leave every later cell on it)."""
     code = "\n".join(source(c) for c in load(path)["cells"] if c["cell_type"] == "code")
-    assert re.search(r"kvlib\.book\.setup\(\)", code), "the set-up line should be kvlib.book.setup()"
+    assert re.search(r"kvbook\.setup\(\)", code), "the set-up line should be kvbook.setup()"
     assert not re.search(r"setup\(threads=", code), "a chapter-wide thread pin"
     assert "set_num_threads" not in code, "a thread count set by hand is never put back"
 
@@ -325,7 +325,7 @@ def glued_numbers(path: Path) -> set[int]:
 def stale_lengths(cells: list[dict], glued: set[int]) -> list[str]:
     """Lengths named by a figure's caption or alt text that neither its code nor a glued value holds
     (an inclusive span's end, n - 1, counts as n). Diagrams are left out: their numbers live in
-    kvlib.book.diagrams, whose tests check them."""
+    kvbook.diagrams, whose tests check them."""
     stale = []
     for i, cell in enumerate(cells):
         meta = cell.get("metadata", {}).get("mystnb")

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvlib.config import PRESETS
-from kvlib.crosscheck import capacity_line, compare, load_record, vllm_python
+from vllmcheck import capacity_line, compare, load_record, vllm_python
 from kvlib.memory import pool_capacity
 
 SMOLLM2 = PRESETS["smollm2-135m"]
@@ -126,7 +126,7 @@ def test_the_vllm_environment_can_be_switched_off(monkeypatch, tmp_path):
 
 def test_against_a_record_finds_what_moved(record):
     """`--against`: a token, a hit or a first step that moved between two runs is named; timings are not."""
-    from kvlib.crosscheck.__main__ import _facts
+    from vllmcheck.__main__ import _facts
 
     same = copy.deepcopy(record)
     same["vllm"]["mixed"]["phases"][0]["seconds"] *= 2  # a timing: not a fact
@@ -140,7 +140,7 @@ def test_against_a_record_finds_what_moved(record):
 def test_kvlibs_fp8_rows_are_compared_by_count_across_machines(record):
     """kvlib's FP8 tokens part between CPUs (an AVX-512 EPYC parted 2 of 8 rows from the record's machine):
     their count is a fact, their values are not; vLLM's FP8 rows and every fp32 row still are."""
-    from kvlib.crosscheck.__main__ import _facts
+    from vllmcheck.__main__ import _facts
 
     other_cpu = copy.deepcopy(record)
     _first(other_cpu, "kvlib", "fp8", 0)["tokens"][5] += 1
@@ -157,7 +157,7 @@ def test_kvlibs_fp8_rows_are_compared_by_count_across_machines(record):
 def test_a_scenario_vllm_refused_here_is_left_out_and_nothing_else(record):
     """A CPU without AVX-512 or AMX: vLLM refuses its FP8 cache, so that scenario cannot be compared with a
     record made where it ran; every other fact still is, and a report's status never is."""
-    from kvlib.crosscheck.__main__ import _facts, refused
+    from vllmcheck.__main__ import _facts, refused
 
     here = copy.deepcopy(record)
     here["vllm"]["fp8"] = {"error": "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."}
@@ -173,7 +173,7 @@ def test_a_scenario_vllm_refused_here_is_left_out_and_nothing_else(record):
 
 
 def test_the_command_says_how_to_get_vllm_when_there_is_none(monkeypatch, capsys):
-    from kvlib.crosscheck.__main__ import main
+    from vllmcheck.__main__ import main
 
     monkeypatch.setenv("KVLIB_VLLM_PYTHON", "off")
     assert main([]) == 2
@@ -182,7 +182,7 @@ def test_the_command_says_how_to_get_vllm_when_there_is_none(monkeypatch, capsys
 
 def test_settle_writes_the_record_and_names_what_moved(tmp_path, capsys):
     """Every runner's last step: the record written, then compared fact by fact with the stored one."""
-    from kvlib.crosscheck import settle
+    from vllmcheck import settle
 
     stored = tmp_path / "stored.json"
     stored.write_text(json.dumps({"tokens": [1, 2, 3], "seconds": 9.0}))

@@ -1,7 +1,7 @@
-"""vLLM past one process (`kvlib.crosscheck.distributed`): the stored record, judged here.
+"""vLLM past one process (`vllmcheck.distributed`): the stored record, judged here.
 
 vLLM itself runs only behind ``make distcheck`` (its own environment); these tests need only
-the record (``kvlib/data/vllm_distributed_cpu.json``), so they run everywhere. What they
+the record (``vllmcheck/data/vllm_distributed_cpu.json``), so they run everywhere. What they
 recompute rather than read: kvlib's greedy tokens for the record's prompts, vLLM's refusal
 rule, each rank's pool from the cache-size arithmetic, and the disk connector's bytes.
 """
@@ -20,8 +20,8 @@ import torch
 
 import kvlib
 from kvlib.config import PRESETS
-from kvlib.crosscheck import capacity_line
-from kvlib.crosscheck.distributed import (
+from vllmcheck import capacity_line
+from vllmcheck.distributed import (
     _log_lines, checks, facts, load_record, loaded, main, outcome, reason, run_scenario,
 )
 from kvlib.memory import kv_bytes_per_token, pool_capacity

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from kvlib.book import diagrams  # noqa: E402
+from kvbook import diagrams  # noqa: E402
 
 
 def cells(fig: Figure, gid: str, ax: int | None = None) -> int:

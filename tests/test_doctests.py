@@ -40,9 +40,16 @@ LEARNER_FACING = (
 )
 
 
+TOOLING = ("kvbook", "kvbench", "vllmcheck", "kvpresscheck")  # beside kvlib: their examples run too
+
+
 def modules_with_examples() -> list[str]:
-    """Every kvlib module whose source has a ``>>>`` line, found without importing the rest."""
+    """Every kvlib module (and the tooling's beside it) whose source has a ``>>>`` line, found without importing
+    the rest."""
     names = ["kvlib"] + [m.name for m in pkgutil.walk_packages(kvlib.__path__, "kvlib.")]
+    for top in TOOLING:
+        path = [str(Path(importlib.util.find_spec(top).origin).parent)]
+        names += [top] + [m.name for m in pkgutil.walk_packages(path, f"{top}.")]
     found = []
     for name in sorted(names):
         if name.endswith("__main__"):

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from kvlib import PRESETS, memory
-from kvlib.book.explorer import CONTEXTS, MODELS, bar_svg, cache_report, explorer, kv_head_choices
+from kvbook.explorer import CONTEXTS, MODELS, bar_svg, cache_report, explorer, kv_head_choices
 
 GiB = 2**30
 
@@ -93,7 +93,7 @@ def test_widget_rejects_unknown_settings():
 
 def test_report_words_and_numbers():
     """Thousands separators as the chapters print them, singular units, and theme colours."""
-    from kvlib.book.explorer import report_html
+    from kvbook.explorer import report_html
 
     html = report_html(cache_report("llama-2-7b", 1, 4096, "fp8", n_kv_head=1))
     assert "2 (K and V) × 32 layers × 1 sequence × 1 KV head × 4,096 tokens × 128 dims × 1 byte =" in html
@@ -105,7 +105,7 @@ def test_report_words_and_numbers():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_terms_sum_to_the_cache(name):
-    from kvlib.book.explorer import cache_terms
+    from kvbook.explorer import cache_terms
 
     c = PRESETS[name]
     for seq_len in (1, 700, 4096, 131072):
@@ -115,7 +115,7 @@ def test_terms_sum_to_the_cache(name):
 
 
 def test_hybrid_report_has_one_term_per_kind():
-    from kvlib.book.explorer import report_html
+    from kvbook.explorer import report_html
 
     r = cache_report("gemma-3-27b", 1, 131072, "bf16", gpu_gib=24)
     assert [(t["kind"], t["layers"], t["tokens"]) for t in r["terms"]] == [
@@ -137,7 +137,7 @@ def test_hybrid_report_has_one_term_per_kind():
 
 def test_report_says_when_a_context_is_past_the_model():
     """The widget says what the website's explorer says (tests/test_explorers.py checks they match)."""
-    from kvlib.book.explorer import limit_text, report_html
+    from kvbook.explorer import limit_text, report_html
 
     r = cache_report("llama-2-7b", 1, 8192)  # Llama-2-7B was trained for 4,096 tokens
     assert r["max_seq_len"] == PRESETS["llama-2-7b"].max_seq_len == 4096
@@ -149,7 +149,7 @@ def test_report_says_when_a_context_is_past_the_model():
 
 def test_mla_has_no_heads_to_choose():
     """DeepSeek-V3 caches one latent per token: its KV heads change nothing, and the widget says so."""
-    from kvlib.book.explorer import heads_text, kv_heads_apply, report_html
+    from kvbook.explorer import heads_text, kv_heads_apply, report_html
 
     assert [m for m in MODELS if not kv_heads_apply(PRESETS[m])] == ["deepseek-v3"]
     v3 = cache_report("deepseek-v3", 1, 4096)

@@ -21,9 +21,9 @@ import pytest
 from test_site import SHOTS, browser, server  # noqa: F401  (fixtures)
 
 from kvlib import cost, memory
-from kvlib.book import web
+from kvbook import web
 from kvlib.config import PRESETS
-from kvlib.book.explorer import CONTEXTS, GPUS_GIB, MODELS, cache_report, formula_text, kv_head_choices
+from kvbook.explorer import CONTEXTS, GPUS_GIB, MODELS, cache_report, formula_text, kv_head_choices
 from kvlib.hardware import HARDWARE, step_time
 from kvlib.memory import DTYPE_BYTES
 from kvlib.simulate import POLICIES, request_trace, simulate
@@ -421,7 +421,7 @@ def test_explorer_data_ships_as_a_script():
 
 
 def test_explorer_data_script_round_trips(tmp_path):
-    """`python -m kvlib.book.web OUT.js` writes one global, the data exactly, and nothing else."""
+    """`python -m kvbook.web OUT.js` writes one global, the data exactly, and nothing else."""
     path = web.write(tmp_path / "data.js", paging=False)
     body = path.read_text()
     assert web.read_script(body) == json.loads(json.dumps(web.explorer_data(paging=False)))
@@ -533,7 +533,7 @@ def test_step_explorer_says_when_a_context_is_past_the_model(browser, server):  
 
 
 def limit_text(report) -> str:
-    from kvlib.book.explorer import limit_text as words
+    from kvbook.explorer import limit_text as words
     return words(report)
 
 

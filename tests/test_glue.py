@@ -1,16 +1,16 @@
-"""kvlib.book.glue: numbers to the website's prose, never sentences (issue 43)."""
+"""kvbook.glue: numbers to the website's prose, never sentences (issue 43)."""
 
 from unittest import mock
 
 import numpy as np
 import pytest
 
-import kvlib.book
+import kvbook
 
 
 def glued(**values) -> dict:
     with mock.patch("myst_nb.glue") as glue:
-        kvlib.book.glue(**values)
+        kvbook.glue(**values)
     assert all(c.kwargs == {"display": False} for c in glue.call_args_list)
     return {c.args[0]: c.args[1] for c in glue.call_args_list}
 
@@ -28,5 +28,5 @@ def test_numpy_scalars_are_glued_as_pythons():
 @pytest.mark.parametrize("value", ["identical to", "times faster", "int4", True, np.bool_(True), [1, 2], None])
 def test_words_bools_and_containers_are_refused_before_anything_is_glued(value):
     with mock.patch("myst_nb.glue") as glue, pytest.raises(TypeError, match="glue carries numbers"):
-        kvlib.book.glue(ok=1.0, bad=value)
+        kvbook.glue(ok=1.0, bad=value)
     glue.assert_not_called()

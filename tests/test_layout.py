@@ -1,7 +1,8 @@
 """The shape of the house: one idea per module, no import cycles, and a README that lists every module.
 
-kvlib is a package of modules and of subpackages (`kvlib.cache`, `kvlib.paged`, `kvlib.bench`,
-`kvlib.book`); each check walks them all. A module is named by its dotted path under kvlib
+kvlib is a package of modules and of subpackages (`kvlib.cache`, `kvlib.paged`, `kvlib.distributed`);
+each check walks them all. (The book's tooling beside it, `kvbook`, `kvbench`, `vllmcheck` and
+`kvpresscheck`, is not kvlib: tests/test_moved.py keeps the two apart.) A module is named by its dotted path under kvlib
 (``paged.cache``); a package by its folder (``paged``), standing for its ``__init__.py``.
 """
 
@@ -100,12 +101,19 @@ def test_the_readme_module_table_lists_exactly_the_modules():
     assert packages <= listed, f"a package, not in the README: {sorted(packages - listed)}"
 
 
+TOOLING = ("kvbook", "kvbench", "vllmcheck", "kvpresscheck")  # beside kvlib, in the same wheel
+
+
 def test_pyproject_installs_every_subpackage():
-    """A plain (non-editable) install, as in Colab, must carry kvlib.cache, kvlib.paged, kvlib.bench, kvlib.book."""
+    """A plain (non-editable) install, as in Colab, must carry kvlib.cache, kvlib.paged, ..., and the tooling
+    beside kvlib (the chapters import kvbook) with the records each reads from its data/."""
     import tomllib
 
     from setuptools import find_packages
 
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {"kvlib"} | {f"kvlib.{n}" for n, p in NAMES.items() if p.name == "__init__.py"}
-    assert len(packages) >= 5 and packages <= set(find_packages(ROOT, include=include))
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {"kvlib"} | {f"kvlib.{n}" for n, p in NAMES.items() if p.name == "__init__.py"} | set(TOOLING)
+    assert len(packages) >= 8 and packages <= set(find_packages(ROOT, include=tool["packages"]["find"]["include"]))
+    for top in ("kvlib",) + TOOLING:
+        shipped = {p for pattern in tool["package-data"].get(top, []) for p in (ROOT / top).glob(pattern)}
+        assert set((ROOT / top / "data").glob("*")) <= shipped, f"{top}/data/ is not all in package-data"

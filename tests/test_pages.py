@@ -2,7 +2,7 @@
 
 A page holds about 4,500 words of prose at most, counted as ``wc -w`` counts them: past that
 it becomes numbered sections (9.1, 9.2, ...). Its code shows the computation and prints its
-numbers, each with a short label or in a table (`kvlib.book.table`); handing numbers to the
+numbers, each with a short label or in a table (`kvbook.table`); handing numbers to the
 website's prose (`glue`), choosing words from a measurement, printing English sentences around
 values and aligning a table by hand are plumbing, which a learner in Jupyter or Colab reads
 too, so together they stay within 5% of a page's code lines. A page that does not yet meet a budget is named in
@@ -105,7 +105,7 @@ def table_lines(tree: ast.AST) -> set[int]:
     """Lines that align a table by hand: an f-string that pads a value to a width
     (``f"{name:10s}{ms:7.2f}"``) or formats a label as a value (``f"{'tokens':>7s}"``), a
     ``str.ljust``/``rjust``/``center``, or ``%``-formatting with a width. Such a header line
-    and row line per table are what `kvlib.book.table` is for: the cell collects its rows and
+    and row line per table are what `kvbook.table` is for: the cell collects its rows and
     the table's alignment is not the learner's to read."""
     lines: set[int] = set()
     for node in ast.walk(tree):
@@ -129,7 +129,7 @@ def plumbing_lines(code: str) -> set[int]:
     assign sentences (a verdict picked from a measurement); and every line of a printed
     sentence (``print(f"decode ran {r:.1f} times as fast")``: print ``"decode / prefill:"``
     and the number, and let the prose say what it means); and every line that aligns a table
-    by hand (`table_lines`: `kvlib.book.table` prints a cell's rows)."""
+    by hand (`table_lines`: `kvbook.table` prints a cell's rows)."""
     try:
         tree = ast.parse(without_magics(code))
     except SyntaxError:
@@ -173,7 +173,7 @@ def test_the_plumbing_count_can_fail():
             'word = "faster than" if r > 1 else "no faster than"\n'
             'if r > 2:\n    verdict = "much faster, as the bytes say"\nelse:\n    verdict = f"only {r:.1f} times"\n'
             'glue("x_ratio", r,\n     display=False)\n'
-            'kvlib.book.glue(x_t=t_a)\n'
+            'kvbook.glue(x_t=t_a)\n'
             'print(f"ratio {r:.2f}")\n')
     assert plumbing_lines(cell) == {2, 3, 4, 5, 6, 7, 8, 9}
     said = ('print(f"decode ran {r:.1f} times as fast as prefill")\n'
@@ -210,7 +210,7 @@ def test_a_page_holds_one_idea_and_its_code_computes(path):
         failing.append(f"words: {stats['words']:,} words of prose, over {MAX_WORDS:,}: split it into sections")
     if stats["share"] > MAX_PLUMBING:
         failing.append(f"plumbing: {stats['plumbing']} of {stats['code']} code lines ({stats['share']:.1%}) glue "
-                       "values, build sentences or align tables, over 5%: print the numbers (kvlib.book.table "
+                       "values, build sentences or align tables, over 5%: print the numbers (kvbook.table "
                        "for a table), and let the prose interpret them")
     allowed = EXCEPTIONS.get(path.stem)
     kinds = {f.split(":")[0] for f in failing}
@@ -229,8 +229,8 @@ def test_every_exception_names_a_page_a_budget_and_a_reason():
 
 # -- the back-matter page about the book's machinery names every stored record truly -----------------
 def record_rows(page: str) -> dict[str, str]:
-    """``{"vllm_cpu.json": "<its table row>"}`` from the records table of book/checks.md."""
-    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w.]+\.json)` \|.*$", page, re.M)}
+    """``{"vllmcheck/data/vllm_cpu.json": "<its table row>"}`` from the records table of book/checks.md."""
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w./]+\.json)` \|.*$", page, re.M)}
 
 
 def record_facts(record: dict) -> list[str]:
@@ -246,11 +246,12 @@ def record_facts(record: dict) -> list[str]:
 def test_the_checks_page_names_each_record_its_run_and_date():
     page = (ROOT / "book" / "checks.md").read_text()
     rows = record_rows(page)
-    records = sorted(p for p in (ROOT / "kvlib" / "data").glob("*.json"))
-    assert sorted(rows) == [p.name for p in records], "the table should list exactly kvlib/data's records"
-    for path in records:
-        for fact in record_facts(json.loads(path.read_text())):
-            assert fact in rows[path.name], f"{path.name}: the page's row does not say {fact!r}"
+    records = sorted(p.relative_to(ROOT).as_posix() for top in ("kvlib", "kvbench", "vllmcheck", "kvpresscheck")
+                     for p in (ROOT / top / "data").glob("*.json"))
+    assert sorted(rows) == records, "the table should list exactly the records in kvlib's and the harnesses' data/"
+    for name in records:
+        for fact in record_facts(json.loads((ROOT / name).read_text())):
+            assert fact in rows[name], f"{name}: the page's row does not say {fact!r}"
 
 
 def test_the_record_check_can_fail():
@@ -261,9 +262,9 @@ def test_the_record_check_can_fail():
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
-def test_a_page_glues_through_kvlib_book_glue_only(path):
-    """`kvlib.book.glue` refuses sentences; myst_nb's own glue would take them."""
+def test_a_page_glues_through_kvbook_glue_only(path):
+    """`kvbook.glue` refuses sentences; myst_nb's own glue would take them."""
     cells = json.loads(path.read_text())["cells"]
     code = "\n".join(source(c) for c in cells if c["cell_type"] == "code")
     assert not re.search(r"^\s*(from myst_nb import|import myst_nb)", code, re.M), \
-        "glue numbers with kvlib.book.glue(name=value), not myst_nb's glue"
+        "glue numbers with kvbook.glue(name=value), not myst_nb's glue"

@@ -1,4 +1,4 @@
-"""kvlib.book: the figure style's tick labels, and the one set-up line every chapter starts with."""
+"""kvbook: the figure style's tick labels, and the one set-up line every chapter starts with."""
 
 import matplotlib
 
@@ -7,8 +7,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import kvlib.book  # noqa: E402
-from kvlib.book.plot import plain_ticks, subplots  # noqa: E402
+import kvbook  # noqa: E402
+from kvbook.plot import plain_ticks, subplots  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def test_plain_ticks_rejects_what_is_not_an_axis():
         plain_ticks(subplots()[1], fmt="{:,.12q}")  # a bad format fails at the call
 
 
-# -- kvlib.book.setup ---------------------------------------------------------------------------------
+# -- kvbook.setup ---------------------------------------------------------------------------------
 @pytest.fixture
 def torch_state():
     """Put back what setup changes: it is process-wide."""
@@ -74,32 +74,32 @@ def torch_state():
 
 
 def test_setup_sets_threads_grad_and_seed(torch_state):
-    assert kvlib.book.setup(threads=1) is None
+    assert kvbook.setup(threads=1) is None
     assert torch.get_num_threads() == 1 and not torch.is_grad_enabled()
     first = torch.rand(3)
-    kvlib.book.setup(threads=2, grad=True)
+    kvbook.setup(threads=2, grad=True)
     assert torch.get_num_threads() == 2 and torch.is_grad_enabled()
     assert torch.equal(torch.rand(3), first)  # seeded again: the same numbers
     state = torch.get_rng_state()
-    kvlib.book.setup(threads=1, seed=None)
+    kvbook.setup(threads=1, seed=None)
     assert torch.equal(torch.get_rng_state(), state)  # seed=None leaves the generator alone
 
 
 def test_setup_leaves_the_readers_cores_alone_by_default(torch_state):
     """A chapter uses every core of the reader's machine; only timing cells pin a count."""
     torch.set_num_threads(3)
-    kvlib.book.setup()
+    kvbook.setup()
     assert torch.get_num_threads() == 3
 
 
 def test_setup_says_where_the_chapter_runs_on_a_gpu_runtime(torch_state, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Tesla T4")
-    kvlib.book.setup()
+    kvbook.setup()
     out = capsys.readouterr().out
     assert "Tesla T4" in out and "runs on the CPU" in out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    kvlib.book.setup()
+    kvbook.setup()
     assert capsys.readouterr().out == ""  # a CPU runtime: nothing printed
 
 
@@ -108,7 +108,7 @@ def test_setup_says_where_the_chapter_runs_on_a_gpu_runtime(torch_state, monkeyp
 def test_setup_rejects_bad_arguments_before_changing_anything(torch_state, kwargs, error):
     before = torch.get_num_threads(), torch.is_grad_enabled()
     with pytest.raises(error):
-        kvlib.book.setup(**kwargs)
+        kvbook.setup(**kwargs)
     assert (torch.get_num_threads(), torch.is_grad_enabled()) == before
 
 
@@ -116,14 +116,14 @@ def test_importing_kvlib_book_imports_no_plotting_or_widgets():
     import subprocess
     import sys
 
-    code = ("import sys, kvlib.book; kvlib.book.setup(threads=1); "
+    code = ("import sys, kvbook; kvbook.setup(threads=1); "
             "print(sorted(m for m in ('matplotlib', 'ipywidgets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_setup_makes_figures_sharp_in_a_notebook():
-    """kvlib.book.setup() in a Jupyter kernel: a figure comes out as a 2x PNG whose stored
+    """kvbook.setup() in a Jupyter kernel: a figure comes out as a 2x PNG whose stored
     width is half its pixels, so the notebook and the website show it at its size, sharp on
     a high-resolution screen. Either order: matplotlib imported before setup() or after."""
     import base64
@@ -134,7 +134,7 @@ def test_setup_makes_figures_sharp_in_a_notebook():
 
     for first in ("", "import matplotlib.pyplot\n"):
         nb = nbformat.v4.new_notebook()
-        nb.cells = [nbformat.v4.new_code_cell(first + "import kvlib.book\nkvlib.book.setup()"),
+        nb.cells = [nbformat.v4.new_code_cell(first + "import kvbook\nkvbook.setup()"),
                     nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\n"
                                               "plt.figure(figsize=(4, 3)); plt.plot([1, 2]); plt.show()")]
         NotebookClient(nb, timeout=120, kernel_name="python3").execute()

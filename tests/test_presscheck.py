@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvlib import ModelConfig, Transformer
-from kvlib.presscheck import compare as cmp
-from kvlib.presscheck import kvpress_python, load_record, reference as ref, table, workload
-from kvlib.presscheck.kvlib_side import greedy_after, kvlib_runs, reference_runs
+from kvpresscheck import compare as cmp
+from kvpresscheck import kvpress_python, load_record, reference as ref, table, workload
+from kvpresscheck.kvlib_side import greedy_after, kvlib_runs, reference_runs
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_judge_needs_identical_tokens_behind_identical_sets_and_a_cause_for_each
 
 
 def test_kept_rows_finds_the_positions_of_pruned_keys():
-    from kvlib.presscheck.kvpress_side import kept_rows
+    from kvpresscheck.kvpress_side import kept_rows
 
     g = torch.Generator().manual_seed(0)
     before = torch.randn(1, 2, 10, 4, generator=g)
@@ -218,7 +218,7 @@ def test_the_table_has_one_row_per_run(record):
 
 def test_against_a_record_finds_what_moved(record):
     """`--against`: a token, a kept position or a verdict that moved is named; timings are not."""
-    from kvlib.presscheck.__main__ import facts
+    from kvpresscheck.__main__ import facts
 
     same = copy.deepcopy(record)
     same["kvpress"]["snapkv@0.5"]["prefill_seconds"] *= 2
@@ -235,7 +235,7 @@ def test_against_a_record_finds_what_moved(record):
 
 
 def test_the_environment_can_be_switched_off(monkeypatch, tmp_path, capsys):
-    from kvlib.presscheck.__main__ import main
+    from kvpresscheck.__main__ import main
 
     monkeypatch.setenv("KVLIB_KVPRESS_PYTHON", "off")
     assert kvpress_python() is None

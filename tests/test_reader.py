@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlib.book.reader import bib_citations, edition, myst_left, site_url
+from kvbook.reader import bib_citations, edition, myst_left, site_url
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "book").glob("ch*.ipynb"))
@@ -152,7 +152,7 @@ def test_two_works_that_would_share_a_label_are_told_apart_by_a_letter():
 def test_a_page_is_named_by_its_own_title_whatever_other_links_say(tmp_path):
     """A bare {doc} shows the page's title; a link elsewhere with words of its own must not
     decide what the reader edition calls the page (pages are read in name order)."""
-    from kvlib.book.reader import site_references
+    from kvbook.reader import site_references
 
     (tmp_path / "a.html").write_text('<a class="reference internal" href="b.html"><span class="doc">'
                                      'chapter 2</span></a>')

@@ -1,8 +1,8 @@
-"""kvlib.book.requires: a cell needing a newer library says so and skips itself."""
+"""kvbook.requires: a cell needing a newer library says so and skips itself."""
 
 import pytest
 
-from kvlib.book.requires import missing, requires
+from kvbook.requires import missing, requires
 
 
 def test_a_met_requirement_is_not_missing():
@@ -38,10 +38,10 @@ def test_the_cell_magic_skips_or_runs_the_cell(capsys):
     pytest.importorskip("IPython")
     from IPython.testing.globalipapp import start_ipython
 
-    import kvlib.book
+    import kvbook
 
     shell = start_ipython()
-    kvlib.book.setup()  # registers the magic in the running shell
+    kvbook.setup()  # registers the magic in the running shell
     shell.user_ns["ran"] = []
     shell.run_cell("%%requires pytest>=999.0\nran.append('new')")
     assert shell.user_ns["ran"] == [] and "Skipped" in capsys.readouterr().out
@@ -54,7 +54,7 @@ def test_the_cell_magic_skips_or_runs_the_cell(capsys):
 @pytest.mark.parametrize("older, newer", [("4.56.0", "5.0"), ("4.56.2", "4.57"), ("5.0.0rc1", "5.0"),
                                           ("2.12.9", "2.13.0+cpu"), ("1.9", "1.10")])
 def test_versions_compare_as_pip_orders_them(older, newer):
-    from kvlib.book.requires import release
+    from kvbook.requires import release
 
     assert release(older) < release(newer)
     assert release("5.0.0") == release("5.0") == release("5") and release("2.13.0+cpu") == release("2.13.0")

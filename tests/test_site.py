@@ -23,7 +23,7 @@ CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
 # Console errors tolerated: none. The theme's two (THEBE_JS_URL declared twice, and
-# "Got invalid theme mode" in a browser that never chose one) are mended by kvlib.book.site.
+# "Got invalid theme mode" in a browser that never chose one) are mended by kvbook.site.
 PHONE = {"width": 390, "height": 844}
 DESKTOP = {"width": 1280, "height": 900}
 
@@ -239,7 +239,7 @@ def test_the_colab_install_cell_is_not_on_the_website(doc):
 
 @pytest.mark.parametrize("doc", chapter_pages())
 def test_the_download_menu_says_what_it_gives(doc):
-    from kvlib.book.site import NOTEBOOK_LABEL, PRINT_LABEL
+    from kvbook.site import NOTEBOOK_LABEL, PRINT_LABEL
 
     html = built(doc)
     assert NOTEBOOK_LABEL in html and PRINT_LABEL in html

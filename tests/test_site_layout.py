@@ -190,7 +190,7 @@ def test_a_page_loads_only_what_it_uses(server, browser):
 
 def test_the_site_ships_only_what_a_page_loads():
     """No widget runtime (no page renders a widget), no icon-font script, no source maps, no
-    MathJax bundle other than the one the pages load (kvlib.book.lean)."""
+    MathJax bundle other than the one the pages load (kvbook.lean)."""
     files = [p for p in SITE.rglob("*") if p.is_file()]
     unused = [str(p.relative_to(SITE)) for p in files if p.name.endswith(
         ("embed-amd.js", "libembed-amd.js", "fontawesome.js", ".map", "tex-svg.js", "mml-chtml.js", "latest.js"))]

@@ -118,7 +118,7 @@ def named_object(name: str):
     (``kvlib.attention`` is the function kvlib exports, not its module); where that path fails
     (``kvlib.attention.attend``), the object in the longest module the name starts with."""
     parts = name.split(".")
-    obj = importlib.import_module("kvlib")
+    obj = importlib.import_module(parts[0])  # kvlib, or a package of the tooling beside it
     for attr in parts[1:]:
         obj = getattr(obj, attr, None)
         if obj is None:
@@ -146,12 +146,14 @@ def entry_id(obj) -> str | None:
 
 
 def meant_by(name: str) -> list:
-    """What a name a chapter writes can mean: a full ``kvlib...`` name, or one relative to kvlib
-    or to any of its modules (``tp.plan``, ``crosscheck.run``, ``PagedCache.step``)."""
+    """What a name a chapter writes can mean: a full ``kvlib...`` name (or the tooling's beside it,
+    ``kvbook.table``, ``vllmcheck.run``), or one relative to kvlib or to any of its modules
+    (``tp.plan``, ``distcheck.load_record``, ``PagedCache.step``)."""
     from test_apiref import all_modules
 
     first, _, rest = name.partition(".")
-    candidates = [name] if first == "kvlib" else [f"kvlib.{name}"] + [
+    full = first in ("kvlib", "kvbook", "kvbench", "vllmcheck", "kvpresscheck")
+    candidates = [name] if full else [f"kvlib.{name}"] + [
         f"{m}.{rest}" for m in all_modules() if rest and m.endswith(f".{first}")]
     found = []
     for candidate in candidates:
@@ -231,9 +233,9 @@ def test_every_citation_shows_the_label_of_the_entry_it_opens():
 
 
 def test_the_reader_editions_cite_with_the_sites_labels():
-    """kvlib.book.reader labels citations itself (Colab shows no Sphinx): by key, its labels are
+    """kvbook.reader labels citations itself (Colab shows no Sphinx): by key, its labels are
     the References page's (an entry's id is ``ref-`` and its key)."""
-    from kvlib.book.reader import bib_citations
+    from kvbook.reader import bib_citations
 
     site = {anchor.removeprefix("ref-"): label for anchor, label in bibliography().items()}
     reader = bib_citations((ROOT / "references.bib").read_text(encoding="utf-8"))

@@ -1,4 +1,4 @@
-"""The website's search, as a reader uses it (issue 44, kvlib.book.search and js/search.js).
+"""The website's search, as a reader uses it (issue 44, kvbook.search and js/search.js).
 
 A concept the book teaches finds the page that teaches it first, typed either way
 ("PagedAttention", "paged attention"); a result's snippet is the page's text around the
@@ -14,7 +14,7 @@ import pytest
 import yaml
 from test_site import DESKTOP, ROOT, SITE, browser, built, server  # noqa: F401
 
-from kvlib.book.search import CONCEPTS
+from kvbook.search import CONCEPTS
 
 # A query, and the page that must come first.
 FIRST = {
@@ -62,7 +62,7 @@ def test_a_snippet_is_the_text_around_the_query(server, browser):  # noqa: F811
 
 
 def test_the_search_box_works_on_a_page_without_the_index(server, browser):  # noqa: F811
-    """A chapter no longer loads searchindex.js (kvlib.book.lean); its search box still sends
+    """A chapter no longer loads searchindex.js (kvbook.lean); its search box still sends
     the query to the search page, which finds it."""
     html = built("book/ch09_paging")
     assert "searchindex.js" not in html and "searchtools.js" not in html

@@ -1,11 +1,11 @@
-"""`kvlib.book.table`: a cell's numbers as an aligned table (issue 43)."""
+"""`kvbook.table`: a cell's numbers as an aligned table (issue 43)."""
 
 import numpy as np
 import pytest
 import torch
 
-import kvlib
-from kvlib.book.tables import render
+import kvbook
+from kvbook.tables import render
 
 
 def test_columns_take_the_widest_cell_numbers_right_text_left():
@@ -34,7 +34,7 @@ def test_a_small_value_is_never_printed_as_zero():
 
 def test_none_is_an_empty_cell_and_table_prints_render(capsys):
     rows = [{"a": "x", "b": None}, {"a": "yy", "b": 2}]
-    assert kvlib.book.table(rows) is None
+    assert kvbook.table(rows) is None
     assert capsys.readouterr().out == render(rows) + "\n"
     assert render(rows).splitlines()[1] == "x"  # the empty cell is not padded out
 

@@ -1,0 +1,62 @@
+"""Section (l): kvlib's `Engine` against vLLM's CPU build, on the cross-check's requests.
+
+`python -m vllmcheck` ran vLLM's CPU build (in an environment of its own) and
+kvlib on the same weights and requests, and stored what each did
+(`vllmcheck.load_record`). vLLM needs that environment, so this section does not
+run it: it serves the record's timed scenario, 16 requests of mixed lengths with 64 new
+tokens each, through kvlib's `Engine` *now*, and sets the time beside vLLM's stored
+eager and compiled runs of the same requests. The tokens must be vLLM's, request by
+request; the times come from different runs on the same machine, so read the ratio
+with the load averages both runs report.
+
+Where kvlib's time goes is measured too: the same requests once more under
+``torch.profiler``, each operator's own time sorted into the weight matmuls, attention,
+and the paged cache's copies (``gather`` reads every sequence's blocks into a fresh
+tensor for each layer, and the new keys are written into it and into the pool). vLLM's
+paged-attention kernel reads the blocks where they lie and writes each new key once, so
+that copying is work its step does not do.
+"""
+
+from __future__ import annotations
+
+from torch.profiler import ProfilerActivity, profile
+
+from vllmcheck import kvlib_side, load_record
+from kvlib.model import Transformer
+
+# operator -> the part of a paged step it belongs to (self time; the rest is everything else)
+# (aten::fill_ is left out: most of its calls are the sums inside RMSNorm's mean)
+PARTS = {"aten::mm": "matmuls", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+         "aten::index": "cache copies", "aten::_index_put_impl_": "cache copies"}
+
+
+def _shares(timed: dict, model: Transformer) -> dict:
+    """Each part's share of the profiled self time of one run of ``timed``'s requests."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        kvlib_side.run(timed, model)
+    ms = {part: 0.0 for part in (*dict.fromkeys(PARTS.values()), "the rest")}
+    for ev in prof.key_averages():
+        ms[PARTS.get(ev.key, "the rest")] += ev.self_cpu_time_total
+    total = sum(ms.values())
+    return {part: t / total for part, t in ms.items()}
+
+
+def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool = True) -> dict:
+    """(l) Tokens/s of kvlib's Engine on the record's ``mixed`` requests against vLLM's stored
+    eager and compiled runs; how many requests' tokens equal vLLM's; and (``shares``) the
+    profiled share of kvlib's time in each part of `PARTS` (``"shares"``)."""
+    rec = load_record() if record is None else record
+    scenario = next(s for s in rec["scenarios"] if s["name"] == "mixed")
+    timed = {**scenario, "phases": scenario["phases"][:1]}  # the 16 mixed requests: the timed phase
+    mine = kvlib_side.run(timed, model)["phases"][0]
+    theirs = {name: rec["vllm"][name]["phases"][0] for name in ("mixed", "compiled")}
+    n_tok = sum(len(r["tokens"]) for r in mine["requests"].values())
+    same = sum(mine["requests"][i]["tokens"] == r["tokens"] for i, r in theirs["mixed"]["requests"].items())
+    out = {"tokens": n_tok, "requests": len(mine["requests"]), "identical_requests": same,
+           "kvlib_tok_s": n_tok / mine["seconds"], "vllm_date": rec["machine"]["date"]}
+    for name, key in (("mixed", "eager"), ("compiled", "compiled")):
+        out[f"vllm_{key}_tok_s"] = n_tok / theirs[name]["seconds"]
+        out[f"vs_{key}"] = theirs[name]["seconds"] / mine["seconds"]  # above 1: kvlib took less time
+    if shares:
+        out["shares"] = _shares(timed, model)
+    return out
