@@ -39,7 +39,7 @@ from kvbook.docstrings import link_docstrings
 KVLIB_GROUPS = [
     ("model", "The model and its caches", ["ch01_naive", "ch02_prefill_decode", "ch02b_numerics",
                                             "ch03_where_cache_lives"],
-     ["kvlib", "kvlib.config", "kvlib.model", "kvlib.attention", "kvlib.generate", "kvlib.sampling",
+     ["kvlib", "kvlib.config", "kvlib.model", "kvlib.rope", "kvlib.attention", "kvlib.generate", "kvlib.sampling",
       "kvlib.cache", "kvlib.cache.protocol", "kvlib.cache.dynamic", "kvlib.cache.static", "kvlib.check",
       "kvlib.numerics", "kvlib.invariant", "kvlib.pretrained", "kvlib.hf", "kvlib.data", "kvlib.chat"],
      "the decoder, the generation loops, the cache protocol and its two plain caches, and the checks"),

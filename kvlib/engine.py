@@ -68,11 +68,15 @@ class Engine:
     and the rest wait a step, and no prompt is admitted meanwhile. A prompt may take
     several steps to prefill; the tokens are the same either way.
 
+    The pool must hold the model's dtype on the model's device (build it with
+    ``PagedCache.for_model(model, num_blocks, block_size)``): any other is refused here,
+    not halfway through a step.
+
     Example
 
     >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
     >>> model.reset_parameters(seed=0, std=0.2)
-    >>> engine = kvlib.Engine(model, kvlib.PagedCache.for_model(model.config, num_blocks=16, block_size=4))
+    >>> engine = kvlib.Engine(model, kvlib.PagedCache.for_model(model, num_blocks=16, block_size=4))
     >>> a, b = engine.add([1, 2, 3], max_new_tokens=4), engine.add([4, 5], max_new_tokens=4)
     >>> out = engine.run()  # {request id: [tokens of each sample]}
     >>> out[a][0] == kvlib.generate(model, [1, 2, 3], 4)[0, 3:].tolist()  # as if it ran alone
@@ -98,6 +102,11 @@ class Engine:
             raise ValueError(
                 f"cache is shaped (layers, kv_heads, head_dim)={(cache.n_layer, cache.n_kv_head, cache.head_dim)} "
                 f"but the model needs {(c.n_layer, c.n_kv_head, c.head_dim)}"
+            )
+        if (cache.dtype, cache.device) != (model.dtype, model.device):
+            raise ValueError(
+                f"the pool holds {cache.dtype} on {cache.device} but the model runs in {model.dtype} on "
+                f"{model.device}: build the pool for the model, PagedCache.for_model(model, num_blocks, block_size)"
             )
         self.model, self.cache = model, cache
         self.scheduler = Scheduler(cache, max_batch)

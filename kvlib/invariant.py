@@ -23,29 +23,27 @@ order fixed by the *data's own* coordinates, never by the batch or the step:
   `elementwise`;
 * `elementwise`: a transcendental function applied in chunks whose size is a multiple
   of every SIMD width, so no element takes the scalar tail;
-* RoPE: cos and sin computed once for every position (`Transformer.set_batch_invariant`
-  keeps the table), then looked up: computed per step, a position's ``cos`` would sit at
-  another place in another-sized tensor, and could take the scalar tail.
+* RoPE: cos and sin computed once for every position (`kvlib.rope.rope_table`, kept by
+  the model while the mode is on), then looked up: computed per step, a position's
+  ``cos`` would sit at another place in another-sized tensor, and could take the scalar tail.
 
 Adds and multiplies of single elements are exact IEEE operations whatever the
 vectorisation, so what is left is the same sequence of operations on the same numbers.
-``model.set_batch_invariant(True)`` switches a `kvlib.Transformer` over; it costs speed
-(a prefill loses its matrix-matrix products; ``python -m kvbench --invariant``
-measures how much). It holds for one machine, one torch build and one thread count,
-which is all batch invariance promises: a different CPU may round differently, but
-always the same way for every batch.
+``model.set_batch_invariant(True)`` switches a `kvlib.Transformer` over: the model owns
+the switch (it flags its layers, gives them `attention` and keeps RoPE's table), and this
+module holds only the kernels. It costs speed (a prefill loses its matrix-matrix
+products; ``python -m kvbench --invariant`` measures how much). It holds for one
+machine, one torch build and one thread count, which is all batch invariance promises:
+a different CPU may round differently, but always the same way for every batch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from .attention import repeat_kv
-
-if TYPE_CHECKING:
-    from .model import Transformer
 
 _VEC = 64  # elements: a multiple of twice every SIMD width torch uses (AVX-512: 16 floats)
 _CHUNK = 16384  # elements per elementwise call: below torch's grain size, so one thread does it all
@@ -135,26 +133,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         denom = denom + e[..., s]
         out = out + e[..., s, None] * v[:, :, None, s]
     return out / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
-
-
-def switch(model: "Transformer", on: bool, rope_cos_sin: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """`Transformer.set_batch_invariant`'s work: flag the layers, swap the attention, build RoPE's table.
-
-    The model's own layers carry a ``batch_invariant`` flag; quantized ones
-    (`kvlib.wquant`) do not and are refused, since their kernels are not made invariant.
-    """
-    if not isinstance(on, bool):
-        raise TypeError(f"on must be a bool, got {type(on).__name__}")
-    linears = [model.lm_head] + [m for b in model.layers for m in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)]
-    if not all(hasattr(m, "batch_invariant") for m in linears):
-        raise TypeError("set_batch_invariant needs plain kvlib Linear layers; this model has quantized or prepacked ones")
-    for m in model.modules():
-        if isinstance(getattr(type(m), "batch_invariant", None), bool):  # Linear, RMSNorm, MLP (not the model)
-            m.batch_invariant = on
-    model.set_attention_impl(attention if on else "sdpa")
-    cfg, table = model.config, None
-    if on:  # every position's cos and sin in one call, once: each position's bits are then fixed
-        cos, sin = rope_cos_sin(torch.arange(cfg.max_seq_len, device=model.device)[None], cfg.head_dim,
-                                cfg.rope_base, dtype=model.dtype)
-        table = (cos[0], sin[0])  # (max_seq_len, head_dim) each
-    model._rope_table = table

@@ -11,7 +11,8 @@ Blocks are pre-norm: RMSNorm -> attention (RoPE on q and k, GQA via
 The parts are public, so that a reader can wire a layer by hand and compare it with the
 model's own (chapter 2 does): `Transformer` has ``embed``, ``layers``, ``norm`` and
 ``lm_head``; each `Block` has ``attn_norm``, ``attn``, ``mlp_norm`` and ``mlp``; each
-`Attention` has ``wqkv``, ``wo`` and ``layer``; `rope_cos_sin` and `apply_rope` rotate.
+`Attention` has ``wqkv``, ``wo`` and ``layer``; `rope_cos_sin` and `apply_rope` rotate
+(they live in the leaf module `kvlib.rope`, and are importable from here too).
 Their docstrings give the shapes.
 """
 
@@ -29,6 +30,7 @@ from . import hybrid, invariant
 from .attention import AttentionImpl, attend, attention_mask
 from .cache import Cache
 from .config import ModelConfig
+from .rope import apply_rope, rope_cos_sin, rope_table  # re-exported: kvlib.model.apply_rope is where they were
 from .validate import an_int, check_token_range, int_in_range, positions_to_score
 
 
@@ -74,28 +76,6 @@ class RMSNorm(nn.Module):
         xf = x.float()  # normalise in fp32 even when the model runs in half precision
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for integer ``positions`` ``(B, T)``: each ``(B, T, head_dim)``.
-
-    Dimension pair ``(i, i + head_dim/2)`` rotates at frequency ``base^(-2i/head_dim)``
-    (the "rotate half" layout used by Hugging Face Llama).
-    """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (B, T, head_dim)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` by the angles in ``cos``/``sin``; all three broadcast together,
-    e.g. ``x`` ``(B, T, H, D)`` with ``cos`` ``(B, T, 1, D)``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)  # "rotate half"
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -379,15 +359,15 @@ class Transformer(nn.Module):
         small = Transformer(self.config.replace(n_layer=n, name=f"{self.config.name} (first {n} layers)"), device="meta")
         small.tok_emb, small.norm, small.lm_head = self.tok_emb, self.norm, self.lm_head
         small.layers = nn.ModuleList(self.layers[:n])
-        small._rope_table = self._rope_table  # the shared blocks are batch-invariant if this model is
+        small.use_rope_table_of(self)  # the shared blocks are batch-invariant if this model is
         return small.eval()
 
     def with_layers(self, layers) -> "Transformer":
         """This model with another layer pattern (`kvlib.layers`; None: all full), sharing its weights:
         how to measure what bolting a pattern onto weights trained without it costs."""
         other = Transformer(self.config.replace(layers=layers), device="meta")
-        other.tok_emb, other.norm, other.lm_head, other.layers, other._rope_table = (
-            self.tok_emb, self.norm, self.lm_head, self.layers, self._rope_table)
+        other.tok_emb, other.norm, other.lm_head, other.layers = self.tok_emb, self.norm, self.lm_head, self.layers
+        other.use_rope_table_of(self)
         return other.eval()
 
     @property
@@ -402,7 +382,35 @@ class Transformer(nn.Module):
         order, and RoPE reads one table (`kvlib.invariant` explains each). Slower, a prefill
         most of all; ``on=False`` restores the fast kernels. Call it after moving the model.
         """
-        invariant.switch(self, on, rope_cos_sin)
+        if not isinstance(on, bool):
+            raise TypeError(f"on must be a bool, got {type(on).__name__}")
+        linears = [self.lm_head] + [m for b in self.layers for m in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up,
+                                                                      b.mlp.w_down)]
+        if not all(hasattr(m, "batch_invariant") for m in linears):  # kvlib.wquant's and prepack's layers
+            raise TypeError("set_batch_invariant needs plain kvlib Linear layers; "
+                            "this model has quantized or prepacked ones")
+        for m in self.modules():
+            if isinstance(getattr(type(m), "batch_invariant", None), bool):  # Linear, RMSNorm, MLP (not the model)
+                m.batch_invariant = on
+        self.set_attention_impl(invariant.attention if on else "sdpa")
+        c = self.config  # every position's cos and sin in one call, once: each position's bits are then fixed
+        self._rope_table = rope_table(c.max_seq_len, c.head_dim, c.rope_base, dtype=self.dtype,
+                                      device=self.device) if on else None
+
+    def use_rope_table_of(self, source: "Transformer") -> None:
+        """Look RoPE up in ``source``'s table (None unless ``source`` is batch-invariant), as a model
+        built from ``source``'s layers must (`first_layers`, `with_layers`, a tensor-parallel shard)."""
+        if not isinstance(source, Transformer):
+            raise TypeError(f"use_rope_table_of needs a kvlib Transformer, got {type(source).__name__}")
+        mine, theirs = self.config, source.config
+        fits = mine.max_seq_len <= theirs.max_seq_len
+        if (mine.head_dim, mine.rope_base) != (theirs.head_dim, theirs.rope_base) or not fits:
+            raise ValueError(
+                f"RoPE tables differ: this model has head_dim={mine.head_dim}, rope_base={mine.rope_base}, "
+                f"max_seq_len={mine.max_seq_len}; the source {theirs.head_dim}, {theirs.rope_base}, "
+                f"{theirs.max_seq_len}"
+            )
+        self._rope_table = source._rope_table
 
     def set_attention_impl(self, impl: str | Callable) -> None:
         """Choose every layer's attention: "sdpa" (fast), "reference" (readable), or a function.

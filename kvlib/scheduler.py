@@ -171,11 +171,40 @@ class Scheduler:
         self.prefilling: Prefill | None = None  # a prompt part-way into the cache (at most one)
 
     def add(self, group: list[Sequence]) -> None:
-        if not group or any(s.state is not SeqState.WAITING for s in group):
+        """Queue a new group (a request's ``n`` samples, prefilled together), last in line.
+
+        A group is added once: one already queued, part-way into the cache or running is
+        refused, since queueing it twice would prefill it twice and leak the first copy's blocks.
+        """
+        group = list(group)
+        if not group:
+            raise ValueError("only new, waiting sequences can be added, got an empty group")
+        if not all(isinstance(s, Sequence) for s in group):
+            raise TypeError(f"a group is a list of Sequences, got {[type(s).__name__ for s in group]}")
+        where = self._where(group)
+        if where:
+            raise ValueError(
+                f"request {group[0].request.rid}'s group is already {where} in this scheduler: a group is added "
+                "once (Engine.add queues a new request; a preempted sequence is requeued by the scheduler itself)"
+            )
+        if any(s.state is not SeqState.WAITING for s in group):
             raise ValueError(f"only new, waiting sequences can be added, got {[s.state.value for s in group]}")
+        if len({id(s) for s in group}) != len(group):
+            raise ValueError(f"a sequence appears twice in one group of request {group[0].request.rid}")
         if len(group) > self.max_batch:
             raise ValueError(f"n={len(group)} samples cannot run at once with max_batch={self.max_batch}")
         self.waiting.append(group)
+
+    def _where(self, group: list[Sequence]) -> str | None:
+        """Where any sequence of ``group`` already is: "queued", "prefilling", "running" or None."""
+        mine = {id(s) for s in group}
+        if any(id(s) in mine for g in self.waiting for s in g):
+            return "queued"
+        if self.prefilling is not None and any(id(s) in mine for s in self.prefilling.group):
+            return "prefilling"
+        if any(id(s) in mine for s in self.running):
+            return "running"
+        return None
 
     def blocks_to_admit(self, n_tokens: int, n_samples: int) -> int:
         """The prompt, one decode step's growth, and one copy of the last block per extra fork."""

@@ -321,3 +321,45 @@ def test_prompt_ids_must_be_integers(tiny):
         eng.add([1, 1.5], 2)
     with pytest.raises(TypeError, match="got str"):
         eng.add("hi", 2)
+
+
+# -- issue 45 ---------------------------------------------------------------------------------------
+def test_a_group_already_queued_or_running_is_refused(tiny):
+    """0.4: Scheduler.add took a group that was already queued; after run() 2 blocks and
+    1 cache sequence leaked (it was prefilled twice, and only one copy was ever freed)."""
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    eng = Engine(tiny, cache)
+    rid = eng.add([1, 2, 3, 4, 5], max_new_tokens=3)
+    group = list(eng.requests[rid].seqs)
+    with pytest.raises(ValueError, match=r"request 0's group is already queued .* added once"):
+        eng.scheduler.add(group)
+    eng.step()  # prefilled: now running
+    with pytest.raises(ValueError, match="already running"):
+        eng.scheduler.add(group)
+    eng.run()
+    assert cache.allocator.num_used == 0 and not cache.seqs  # nothing leaked
+    cache.check()
+
+
+def test_a_group_part_way_into_the_cache_is_refused(tiny):
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    eng = Engine(tiny, cache, token_budget=2)
+    rid = eng.add([1, 2, 3, 4, 5], max_new_tokens=2)
+    eng.step()  # the first chunk of 2 ran; the prompt is part-way in
+    with pytest.raises(ValueError, match="already prefilling"):
+        eng.scheduler.add(list(eng.requests[rid].seqs))
+    with pytest.raises(TypeError, match=r"list of Sequences, got \['list'\]"):
+        eng.scheduler.add([[1, 2]])
+    eng.run()
+    assert cache.allocator.num_used == 0 and not cache.seqs
+
+
+def test_a_pool_of_another_dtype_is_refused_at_construction(tiny):
+    """0.4: Engine took a bf16 model with an fp32 pool and failed inside run()."""
+    half = kvlib.Transformer(tiny.config, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"torch.float32 on cpu but the model runs in torch.bfloat16 .*"
+                                         r"PagedCache.for_model\(model"):
+        Engine(half, PagedCache.for_model(tiny.config, num_blocks=16, block_size=4))
+    eng = Engine(half, PagedCache.for_model(half, num_blocks=16, block_size=4))  # the fix the message names
+    rid = eng.add([1, 2, 3], max_new_tokens=2)
+    assert len(eng.run()[rid][0]) == 2

@@ -153,3 +153,45 @@ def test_greedy_speculation_in_the_mode_is_generate_at_every_step(model):
     want = kvlib.generate(model, prompt, 24)
     got, stats = speculative_generate(model, prompt, 24, EarlyExitDraft(model, 1), k=3)
     assert torch.equal(got, want) and stats.steps < 23  # some guesses were kept
+
+
+# -- who owns the switch and RoPE's table (issue 45) ---------------------------------------------------
+def _relative_imports(path) -> set[str]:
+    """The kvlib modules a source file imports (type-checking-only imports included)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found |= {node.module} if node.module else {a.name for a in node.names}
+    return found
+
+
+def test_the_model_owns_the_switch_and_rope_is_a_leaf():
+    """0.4: kvlib.invariant.switch wrote the model's private `_rope_table`, and imported the model for a
+    type hint (a cycle); first_layers, with_layers and the tensor-parallel shard wrote it too."""
+    from pathlib import Path
+
+    root = Path(kvlib.__file__).parent
+    assert "model" not in _relative_imports(root / "invariant.py")  # no cycle: the kernels know no model
+    assert _relative_imports(root / "rope.py") == set()  # a leaf: torch only
+    writers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if "_rope_table =" in p.read_text(encoding="utf-8"))
+    assert writers == ["model.py"], writers
+    from kvlib.model import apply_rope, rope_cos_sin  # the old home still works
+
+    assert apply_rope is kvlib.rope.apply_rope and rope_cos_sin is kvlib.rope.rope_cos_sin
+
+
+def test_the_table_is_every_position_of_rope_cos_sin():
+    m = kvlib.Transformer(CFG)
+    m.set_batch_invariant(True)
+    cos, sin = kvlib.rope.rope_table(CFG.max_seq_len, CFG.head_dim, CFG.rope_base)
+    want = kvlib.rope.rope_cos_sin(torch.arange(CFG.max_seq_len)[None], CFG.head_dim, CFG.rope_base)
+    assert torch.equal(cos, want[0][0]) and torch.equal(sin, want[1][0])
+    small = m.first_layers(1)
+    assert small.batch_invariant and small.with_layers(None).batch_invariant
+    with pytest.raises(ValueError, match="RoPE tables differ"):
+        kvlib.Transformer(CFG.replace(rope_base=500.0), device="meta").use_rope_table_of(m)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        kvlib.rope.rope_table(0, 8, 10000.0)

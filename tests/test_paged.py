@@ -975,3 +975,88 @@ def test_engine_on_smollm2_matches_generate(smollm2):
     out = eng.run()
     assert [out[i][0] for i in range(3)] == ref
     assert eng.stats.peak_batch == 3
+
+
+# -- issue 45: commit inside `with`, the copy-on-write bytes, for_model, no import cycle -----------------
+@torch.inference_mode()
+def test_commit_inside_the_with_block_stores_the_step_once(tiny):
+    """0.4: batch.commit() inside `with` stored the step, then the `with`'s exit raised "already
+    committed", so a caller who retried appended the tokens twice."""
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    a, _ = cache.add()
+    ids = torch.tensor([[1, 2, 3]])
+    with cache.step([a], ids) as batch:
+        tiny(ids, batch)
+        batch.commit()  # allowed: the end of the block stores nothing more
+        assert batch.committed and cache.tokens(a) == [1, 2, 3]
+    assert cache.tokens(a) == [1, 2, 3] and cache.open_step is None
+    cache.check()
+    with pytest.raises(ValueError, match="already committed"):
+        batch.commit()  # and never twice
+    assert cache.tokens(a) == [1, 2, 3]
+    with cache.step([a], torch.tensor([[4]])) as batch:  # the cache goes on
+        tiny(torch.tensor([[4]]), batch)
+    assert cache.tokens(a) == [1, 2, 3, 4]
+
+
+@torch.inference_mode()
+def test_an_error_after_a_commit_inside_the_block_keeps_the_stored_step(tiny):
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    a, _ = cache.add()
+    with pytest.raises(RuntimeError, match="after the commit"):
+        with cache.step([a], [[1, 2]]) as batch:
+            tiny(torch.tensor([[1, 2]]), batch)
+            batch.commit()
+            raise RuntimeError("after the commit")
+    assert cache.tokens(a) == [1, 2] and cache.open_step is None
+    cache.check()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("packed", [False, True])
+def test_bytes_written_counts_the_copy_on_write_block(tiny, packed):
+    """0.4: a step that wrote into a shared block reported only its new K/V: the block copy
+    (block_size slots of every layer, keys and values) was missing from bytes_written."""
+    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    a, _ = cache.add()
+    with cache.step([a], [[1, 2, 3, 4, 5, 6]]) as batch:
+        tiny(torch.tensor([[1, 2, 3, 4, 5, 6]]), batch)
+    b = cache.fork(a)  # shares the partial block 1: b's next token copies it
+    ids = torch.tensor([[7]])
+    with cache.step([b], [[7]], packed=packed) as batch:
+        tiny(ids, batch)
+    cfg = tiny.config
+    new_kv = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4  # one token, fp32, K and V, every layer
+    assert cache.copies == 1
+    assert batch.bytes_written == new_kv + cache.block_bytes, (batch.bytes_written, new_kv, cache.block_bytes)
+    with cache.step([a], [[8]], packed=packed) as batch:  # a is alone in its block again: written in place
+        tiny(ids, batch)
+    assert cache.copies == 1 and batch.bytes_written == new_kv
+
+
+def test_for_model_takes_a_model_or_a_config_and_follows_the_models_dtype():
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=64)
+    model = Transformer(cfg, dtype=torch.bfloat16)
+    from_model = PagedCache.for_model(model, num_blocks=4, block_size=4)
+    assert from_model.dtype == torch.bfloat16 and from_model.device == model.device
+    assert PagedCache.for_model(cfg, num_blocks=4).dtype == torch.float32  # a config: fp32 on the CPU
+    assert PagedCache.for_model(model, 4, dtype=torch.float16, prefix_caching=False).dtype == torch.float16
+    assert (from_model.n_layer, from_model.n_kv_head, from_model.head_dim) == (2, 2, 8)
+    with pytest.raises(TypeError, match="Transformer or a kvlib.ModelConfig"):
+        PagedCache.for_model("tiny", num_blocks=4)
+
+
+def test_the_batch_module_does_not_import_the_cache_module():
+    """0.4: paged.batch imported paged.cache for a type hint and called its privates, and the cache
+    called the batch's: the step's checks now live in the batch, which asks the cache only to store."""
+    import ast
+    from pathlib import Path
+
+    import kvlib.paged.batch as batch_module
+    import kvlib.paged.cache as cache_module
+
+    tree = ast.parse(Path(batch_module.__file__).read_text(encoding="utf-8"))
+    imported = {(n.level, n.module) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    assert (1, "cache") not in imported, imported  # `from .cache import ...` (kvlib.paged.cache): the cycle
+    cache_src = Path(cache_module.__file__).read_text(encoding="utf-8")
+    assert "._check_fresh" not in cache_src and "batch.committed = " not in cache_src

@@ -84,7 +84,7 @@ def run(scenario: dict, model: Transformer) -> dict:
     # "null block" (vllm/v1/core/block_pool.py) and never hands to a request
     num_blocks = llm["kv_cache_memory_bytes"] // block_bytes(cfg, llm["block_size"]) - 1
     def fresh() -> Engine:
-        cache = PagedCache.for_model(cfg, num_blocks=num_blocks, block_size=llm["block_size"], prefix_caching=True)
+        cache = PagedCache.for_model(model, num_blocks=num_blocks, block_size=llm["block_size"], prefix_caching=True)
         return Engine(model, cache, max_batch=llm["max_num_seqs"], token_budget=s["kvlib"]["token_budget"])
 
     engine = fresh()

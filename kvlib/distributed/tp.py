@@ -157,7 +157,7 @@ def shard(model: Transformer, rank: int, size: int, group: dist.ProcessGroup | N
     f0, f1 = s.ff
     out = Transformer(local_config(cfg, size, rank), device="meta")
     out.tok_emb, out.norm, out.lm_head = model.tok_emb, model.norm, model.lm_head
-    out._rope_table = model._rope_table
+    out.use_rope_table_of(model)
     for mine, full in zip(out.layers, model.layers):
         mine.attn_norm, mine.mlp_norm = full.attn_norm, full.mlp_norm
         mine.attn.wqkv = _linear(full.attn.wqkv.weight[:, qkv_cols])  # (d_model, (Hl + 2 Kl) D): [q | k | v]

@@ -6,7 +6,8 @@
   ``add``, ``fork`` (copy-on-write), ``truncate``, ``free``, and ``step``.
 * `kvlib.paged.batch`: `slot_mapping`, `gather`, and the `kvlib.Cache` one forward runs
   against: `PagedBatch` (a rectangle, ``T`` new tokens each) or `PackedPagedBatch` (one
-  packed row of ragged steps); committing it is the only way a step reaches the pool.
+  packed row of ragged steps); committing it is the only way a step reaches the pool. The
+  step's life and checks live here; `StepPool` names what a step needs of its cache.
 * `kvlib.paged.hybrid`: `HybridBlockPool`, one pool for a hybrid model's KV-cache groups
   (`kv_groups`), a block table per group, window layers giving back the blocks they have
   passed (`blocks_held`), prefix hits every group can serve. No tensors.
@@ -15,11 +16,11 @@
 Every name is importable from ``kvlib.paged`` itself.
 """
 
-from .batch import PackedPagedBatch, PagedBatch, gather, slot_mapping
+from .batch import PackedPagedBatch, PagedBatch, StepPool, gather, slot_mapping
 from .blocks import BlockAllocator, OutOfBlocks, chain_hash
 from .cache import PagedCache
 from .hybrid import HybridBlockPool, KVGroup, blocks_held, kv_groups
 from .kernel import paged_attention_loop
 
-__all__ = ["BlockAllocator", "HybridBlockPool", "KVGroup", "OutOfBlocks", "PackedPagedBatch", "PagedBatch", "PagedCache", "chain_hash", "gather",
-           "blocks_held", "kv_groups", "paged_attention_loop", "slot_mapping"]
+__all__ = ["BlockAllocator", "HybridBlockPool", "KVGroup", "OutOfBlocks", "PackedPagedBatch", "PagedBatch", "PagedCache",
+           "StepPool", "chain_hash", "gather", "blocks_held", "kv_groups", "paged_attention_loop", "slot_mapping"]

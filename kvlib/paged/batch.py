@@ -18,15 +18,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..cache import Cache, CacheSpec
 from ..packed import cu_seqlens
+from .blocks import BlockAllocator, OutOfBlocks
 
-if TYPE_CHECKING:
-    from .cache import PagedCache
+
+class StepPool(Protocol):
+    """What a step needs of the pool it runs against: `kvlib.paged.PagedCache` is one.
+
+    A step reads the pool (its shapes, ``keys``/``values``, block tables, ``version``) and
+    may be stored in it once. Storing is package-internal: `PagedCache._commit` is called
+    only by a step's ``commit``, after every check (so this module needs no import of the
+    cache, and the cache reads only a step's public attributes).
+    """
+
+    n_layer: int
+    n_kv_head: int
+    head_dim: int
+    block_size: int
+    version: int  # bumped by every change to the tables
+    keys: list[torch.Tensor]  # per layer, (num_blocks, block_size, kv_heads, head_dim)
+    values: list[torch.Tensor]
+    allocator: BlockAllocator
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def open_step(self) -> object | None: ...
+    def block_table(self, sid: int) -> list[int]: ...
+    def blocks_needed(self, sids: Sequence[int], n_new: int | Sequence[int]) -> int: ...
+    def _commit(self, step: "_Step") -> int: ...  # store a checked step; returns the bytes copy-on-write copied
+    def _close(self, step: "_Step") -> None: ...  # forget ``step`` if it is the open one
 
 
 def slot_mapping(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -46,7 +76,8 @@ def gather(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch
     if pool.dim() != 4:
         raise ValueError(f"pool must be (num_blocks, block_size, kv_heads, head_dim), got {tuple(pool.shape)}")
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"block_tables must be a (batch, blocks) int tensor, got {block_tables.dtype} {tuple(block_tables.shape)}")
+        raise ValueError(f"block_tables must be a (batch, blocks) int tensor, "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
     B, n = block_tables.shape
     _, bs, H, D = pool.shape
     if not 0 < length <= n * bs:
@@ -58,19 +89,23 @@ def gather(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch
 class _Step(Cache):
     """What both layouts share: the staged K/V of one forward, and the commit that stores them.
 
-    ``update`` stages each layer's new keys and values; the pool is written only by
-    ``commit()`` (the ``with`` block calls it), once every layer has run. A subclass sets
-    ``counts`` (new tokens per sequence) and says how its keys are laid out.
+    A step's life: `PagedCache.step` opens it; ``update`` stages each layer's new keys and
+    values (the pool is not touched); ``commit()`` stores it, once every layer has run, or
+    a failed forward drops it. Use it as ``with cache.step(...) as batch:``, which commits
+    when the block ends without an error and drops the step when it raises. Calling
+    ``batch.commit()`` inside the block is allowed too: the step is stored then, once, and
+    the end of the block stores nothing more (an error raised after that commit does not
+    undo it). A subclass sets ``counts`` (new tokens per sequence) and lays out the keys.
     """
 
-    def __init__(self, cache: "PagedCache", sids: list[int], tokens: list[list[int]], lengths: list[int],
+    def __init__(self, cache: StepPool, sids: list[int], tokens: list[list[int]], lengths: list[int],
                  spec: CacheSpec) -> None:
         super().__init__(cache.n_layer, spec)
         self.cache, self.sids, self.new_tokens, self.start = cache, sids, tokens, lengths
         self.counts = [len(r) for r in tokens]  # new tokens per sequence
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.n_layer
         self.committed = False
-        self._version = cache.version  # any later change to the tables makes this batch stale
+        self._version = cache.version  # any later change to the tables makes this step stale
 
     def new_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's staged keys and values of ``layer``, ``(N, kv_heads, head_dim)`` each, with
@@ -100,22 +135,39 @@ class _Step(Cache):
         return all(s is not None for s in self.staged)
 
     def commit(self) -> None:
-        """Store this step in the cache. Raises, changing nothing, unless every layer was
-        written and this is the cache's open step, not committed yet and not stale."""
-        self.cache._commit(self)
+        """Store this step in the cache: reserve its slots (copy-on-write, new blocks), write
+        each sequence's new K/V, extend its tokens and seal full blocks.
+
+        Every check runs first, so a refused commit (a second one, a stale or incomplete
+        step, one that is not the cache's open step) raises and changes nothing. A block
+        copied on write is counted in `bytes_written`, as the new K/V were when staged.
+        """
+        self._check_fresh()  # not committed yet, and no table changed since it was made
+        if self.cache.open_step is not self:
+            raise ValueError(f"this {type(self).__name__} is not the open step of its cache; "
+                             "call PagedCache.step again")
+        missing = [i for i, s in enumerate(self.staged) if s is None]
+        if missing:
+            raise ValueError(f"cannot commit a step whose layers {missing} were never written")
+        if self.cache.blocks_needed(self.sids, self.counts) > self.cache.allocator.num_free:
+            raise OutOfBlocks("the pool no longer has room for this step")  # unreachable unless stale
+        self.bytes_written += self.cache._commit(self)  # the block copies; the new K/V were counted when staged
+        self.committed = True
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if self.committed:
+            return False  # committed inside the block: stored once, nothing left to do
         if exc_type is None:
             try:
                 self.commit()
             except BaseException:
-                self.cache._drop(self)  # a commit that failed (stale, say) must not block the cache
+                self.cache._close(self)  # a commit that failed (stale, say) must not block the cache
                 raise
         else:
-            self.cache._drop(self)  # the forward failed: nothing was written, nothing to undo
+            self.cache._close(self)  # the forward failed: nothing was written, nothing to undo
         return False
 
     @property
@@ -142,7 +194,7 @@ class PagedBatch(_Step):
     ``commit()`` (the ``with`` block calls it), once every layer has run.
     """
 
-    def __init__(self, cache: "PagedCache", sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
+    def __init__(self, cache: StepPool, sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
         B, T = len(sids), len(tokens[0])
         device = cache.device
         spec = CacheSpec(B, cache.n_kv_head, cache.head_dim, cache.dtype, device)  # keys (B, H_kv, T, D)
@@ -222,7 +274,7 @@ class PackedPagedBatch(_Step):
     (FlashAttention's, or `kvlib.packed.packed_attention`) never computes it.
     """
 
-    def __init__(self, cache: "PagedCache", sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
+    def __init__(self, cache: StepPool, sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
         device = cache.device
         spec = CacheSpec(1, cache.n_kv_head, cache.head_dim, cache.dtype, device)  # keys (1, H_kv, N, D): one row
         super().__init__(cache, sids, tokens, lengths, spec)

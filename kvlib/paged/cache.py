@@ -13,10 +13,15 @@
   ``cache.step(sids, rows, packed=True)`` takes rows of different lengths and runs them
   as one packed row, a `PackedPagedBatch` (the serving engine's step). The step is
   *committed* (blocks reserved, the new K/V written into their slots, full blocks
-  sealed) when the ``with`` block ends without an error, or by ``batch.commit()``;
-  a forward that raises halfway leaves the cache exactly as it was. Committing is the
-  only way a step changes the pool, and only the batch can ask for it: the cache refuses,
-  before changing anything, a batch that is stale, incomplete or already committed.
+  sealed) when the ``with`` block ends without an error, or by ``batch.commit()``
+  (inside the block or after it: either way it is stored once); a forward that raises
+  halfway leaves the cache exactly as it was. Committing is the only way a step changes
+  the pool, and only the batch can ask for it: its ``commit`` refuses, before changing
+  anything, a batch that is stale, incomplete or already committed.
+
+The step's life (open, staged, committed or dropped) is `kvlib.paged.batch`'s; this module
+keeps the tables and the pools, and stores a checked step (`PagedCache._commit`, which
+only a batch calls). The batch module never imports this one.
 
 Nothing here is global: block tables, slots and positions are passed explicitly.
 """
@@ -25,13 +30,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..cache import model_layout
 from ..config import ModelConfig
 from ..validate import positive_int
 from .batch import PackedPagedBatch, PagedBatch, gather, slot_mapping
 from .blocks import BlockAllocator, OutOfBlocks, chain_hash
+
+if TYPE_CHECKING:
+    from ..model import Transformer
 
 __all__ = ["PagedCache"]
 
@@ -118,9 +128,22 @@ class PagedCache:
         self._open: PagedBatch | None = None  # the step being run, until it is committed or dropped
 
     @classmethod
-    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int = 16, **kwargs) -> "PagedCache":
-        """A cache shaped for ``config``: its layers, KV heads and head_dim."""
-        return cls(config.n_layer, config.n_kv_head, config.head_dim, num_blocks=num_blocks, block_size=block_size, **kwargs)
+    def for_model(
+        cls,
+        model_or_config: "Transformer | ModelConfig",
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        **kwargs,
+    ) -> "PagedCache":
+        """A cache shaped for a `kvlib.Transformer` or a `kvlib.ModelConfig`: its layers, KV heads
+        and head_dim, in the model's dtype and on its device unless ``dtype``/``device`` say
+        otherwise (a config has neither: fp32 on the CPU). ``kwargs``: ``prefix_caching``, ``hash_fn``."""
+        config, dtype, device = model_layout(model_or_config, dtype, device)
+        return cls(config.n_layer, config.n_kv_head, config.head_dim, num_blocks=num_blocks, block_size=block_size,
+                   dtype=dtype, device=device, **kwargs)
 
     # -- sizes --------------------------------------------------------------------------------------
     @property
@@ -144,6 +167,11 @@ class PagedCache:
     def nbytes(self) -> int:
         """Bytes of the whole pool, used or not."""
         return self.num_blocks * self.block_bytes
+
+    @property
+    def open_step(self) -> PagedBatch | PackedPagedBatch | None:
+        """The step `step` handed out that is neither committed nor dropped yet (None if none)."""
+        return self._open
 
     # -- sequences ----------------------------------------------------------------------------------
     def _seq(self, sid) -> _Seq:
@@ -271,11 +299,15 @@ class PagedCache:
         seq.blocks[i] = new
         self.copies += 1
 
-    def _reserve(self, seq: _Seq, n_new: int) -> None:
+    def _reserve(self, seq: _Seq, n_new: int) -> int:
+        """Make room for ``n_new`` tokens; returns the blocks copied on write (0 or 1)."""
+        copied = 0
         if not self._writable_tail(seq):
             self._copy_on_write(seq)
+            copied = 1
         while len(seq.blocks) * self.block_size < len(seq.tokens) + n_new:
             seq.blocks.append(self.allocator.allocate())
+        return copied
 
     def step(
         self, sids: Sequence[int], tokens: torch.Tensor | Sequence[Sequence[int]], *, packed: bool = False
@@ -330,23 +362,15 @@ class PagedCache:
                 "or call batch.commit() after the forward"
             )
 
-    def _commit(self, batch: PagedBatch | PackedPagedBatch) -> None:
-        """Store a finished step (only the batch's ``commit`` calls this): reserve its slots
-        (copy-on-write, new blocks), write each sequence's new K/V into them, extend the token
-        lists and seal full blocks. Every check runs before the first change, so a refused commit
-        (twice, incomplete, stale, or a batch of another cache) leaves the cache byte for byte as it was."""
-        batch._check_fresh()  # not committed yet, and no table changed since it was made
-        if batch.cache is not self or self._open is not batch:
-            raise ValueError(f"this {type(batch).__name__} is not the open step of this cache; "
-                             "call PagedCache.step again")
-        missing = [i for i, s in enumerate(batch.staged) if s is None]
-        if missing:
-            raise ValueError(f"cannot commit a step whose layers {missing} were never written")
-        if self.blocks_needed(batch.sids, batch.counts) > self.allocator.num_free:
-            raise OutOfBlocks("the pool no longer has room for this step")  # unreachable unless stale
+    def _commit(self, batch: PagedBatch | PackedPagedBatch) -> int:
+        """Package-internal: store a step its ``commit`` has checked (complete, fresh, this cache's
+        open step, room in the pool). Reserves its slots (copy-on-write, new blocks), writes each
+        sequence's new K/V into them, extends the token lists and seals full blocks. Returns the
+        bytes that copy-on-write copied (whole blocks, every layer, keys and values)."""
+        if self._open is not batch:  # the batch checked this; a guard against any other caller
+            raise ValueError(f"this {type(batch).__name__} is not the open step of this cache")
         seqs = [self.seqs[s] for s in batch.sids]
-        for seq, c in zip(seqs, batch.counts):
-            self._reserve(seq, c)
+        copies = sum(self._reserve(seq, c) for seq, c in zip(seqs, batch.counts))
         bs = self.block_size
         slots = [slot_mapping(seq.blocks, n, n + c, bs) for seq, n, c in zip(seqs, batch.start, batch.counts)]
         slots = torch.tensor([s for row in slots for s in row], device=self.device)  # (N,): where each new token goes
@@ -362,10 +386,11 @@ class PagedCache:
                 self.allocator.seal_full(seq.blocks, seq.tokens, since=before)
         self.version += 1
         self._open = None
-        batch.committed = True
+        return copies * self.block_bytes
 
-    def _drop(self, batch: PagedBatch) -> None:
-        """Forget a step whose forward failed: nothing was written, so there is nothing to undo."""
+    def _close(self, batch: PagedBatch | PackedPagedBatch) -> None:
+        """Package-internal: forget ``batch`` if it is the open step (its forward failed, or its
+        commit was refused): nothing was written, so there is nothing to undo."""
         if self._open is batch:
             self._open = None
 
