@@ -365,7 +365,8 @@ class DiskStore:
         return list(kv)
 
     # -- reading ----------------------------------------------------------------------------------
-    def _read(self, key: str, parent: str | None, tokens: list[int], fp: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _read(self, key: str, parent: str | None, tokens: list[int],
+              fp: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The chunk stored under ``key``, if it is whole and is exactly the one asked for (made by
         the weights and cache kind of fingerprint ``fp``); else None."""
         p = self.path(key)
