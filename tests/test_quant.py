@@ -190,7 +190,7 @@ def test_bad_quantize_input():
         quantize(x, 2, group_size=6)
     with pytest.raises(TypeError, match="floating-point"):
         quantize(torch.ones(2, 2, dtype=torch.long), 8)
-    with pytest.raises(ValueError, match=r"finite numbers; x \(2, 2\) holds 2 inf or NaN"):
+    with pytest.raises(ValueError, match=r"finite numbers; x \(2, 2\) holds inf or NaN"):
         quantize(torch.tensor([[1.0, float("inf")], [float("nan"), 0.0]]), 8)
     with pytest.raises(ValueError, match="overflows fp32"):
         quantize(torch.tensor([3e38, -3e38]), 8)

@@ -16,11 +16,18 @@ shape settle most of it (`kvlib.distributed.disk.fingerprint`); the cache settle
   the whole prefix, so there is nothing whole to store: `cache_kind` refuses it.
 
 A cache class it does not know (your own) raises a ``TypeError``: pass ``kind=`` yourself
-(``"exact"`` if it returns what it was given). The kind is a string so that it can go into
-the chain of keys (`kvlib.distributed.disk.chunk_key`) and into each file's metadata.
+(``"exact"`` if it returns what it was given). The kind is a string: it goes into the
+`fingerprint` (with the weights' name and the cache's shape), the fingerprint into every
+`chunk_key` of the chain, and both into each chunk file's metadata.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import torch
 
 from ..cache import Cache, DynamicCache, StaticCache
 
@@ -37,6 +44,22 @@ _LOSSY = {
     ("kvlib.hf", "HFQuantizedCache"): ("backend", "kwargs"),
 }
 _EVICTING = {("kvlib.evict", "_Budgeted")}  # WindowCache, SinkCache, H2OCache and kvlib.press.PressCache
+
+
+def fingerprint(model_id: str, n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype,
+                kind: str = EXACT) -> str:
+    """What must be equal for two K/V to be interchangeable: the weights, the cache's shape, and
+    the kind of cache that made them (`cache_kind`: exact, or lossy with its settings)."""
+    return f"{model_id}|layers={n_layer}|kv_heads={n_kv_head}|head_dim={head_dim}|dtype={dtype}|cache={kind}"
+
+
+def chunk_key(parent: str | None, fp: str, tokens: Sequence[int]) -> str:
+    """``key_i = sha256(key_{i-1}, fingerprint, tokens of chunk i)``, as 64 hex digits.
+
+    Chaining makes the key depend on every earlier token, because a chunk's K/V do: the same
+    256 tokens after another prefix hold other keys and values (attention mixed them in).
+    """
+    return hashlib.sha256(json.dumps([parent or "", fp, list(tokens)]).encode()).hexdigest()
 
 
 def _names(cache: Cache) -> list[tuple[str, str]]:

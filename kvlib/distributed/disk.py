@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import time
@@ -54,7 +53,7 @@ import torch
 
 from ..cache import Cache
 from ..validate import an_int, int_at_least, positive_int
-from .cachekind import EXACT, MAX_KIND_CHARS, check_kind, resolve_kind
+from .cachekind import EXACT, MAX_KIND_CHARS, check_kind, chunk_key, fingerprint, resolve_kind
 from .chunkfile import SUFFIX, StoreError, decode, encode, temp_writer, write_temp
 from .launch import alive
 
@@ -62,23 +61,6 @@ try:  # POSIX: one writer at a time makes room and renames, so the budget holds 
     import fcntl
 except ImportError:  # Windows: no lock, and the budget may be overshot by racing writers
     fcntl = None
-
-
-def fingerprint(model_id: str, n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype,
-                kind: str = EXACT) -> str:
-    """What must be equal for two K/V to be interchangeable: the weights, the cache's shape, and
-    the kind of cache that made them (`kvlib.distributed.cachekind.cache_kind`: exact, or lossy
-    with its settings)."""
-    return f"{model_id}|layers={n_layer}|kv_heads={n_kv_head}|head_dim={head_dim}|dtype={dtype}|cache={kind}"
-
-
-def chunk_key(parent: str | None, fp: str, tokens: Sequence[int]) -> str:
-    """``key_i = sha256(key_{i-1}, fingerprint, tokens of chunk i)``, as 64 hex digits.
-
-    Chaining makes the key depend on every earlier token, because a chunk's K/V do: the same
-    256 tokens after another prefix hold other keys and values (attention mixed them in).
-    """
-    return hashlib.sha256(json.dumps([parent or "", fp, list(tokens)]).encode()).hexdigest()
 
 
 def token_list(tokens: object) -> list[int]:
@@ -149,9 +131,8 @@ class DiskStore:
     model name for the same reason). ``chunk_tokens`` is the granularity of reuse: only
     whole chunks are stored and loaded. Several processes may open the same ``root``.
 
-    Each chunk is stored under the kind of cache that made it (`kvlib.distributed.cachekind`),
-    so one directory holds an exact model's prefixes and a quantized cache's side by side,
-    and a lookup for one kind never returns another's.
+    Chunks are stored under the kind of cache that made them (`kvlib.distributed.cachekind`): a
+    lookup for one kind never returns another's.
 
     Errors: a budget below one chunk file (`chunk_file_bytes`: its tensors and its header) is a
     ``ValueError`` here; a write that fails (no space left on the device) raises `StoreError`
