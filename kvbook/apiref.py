@@ -67,8 +67,8 @@ KVLIB_GROUPS = [
      "speculative decoding"),
     ("distributed", "Beyond one machine", ["ch13_beyond_one_machine", "ch13b_disaggregation"],
      ["kvlib.distributed", "kvlib.distributed.launch", "kvlib.distributed.tp", "kvlib.distributed.disagg",
-      "kvlib.distributed.disk", "kvlib.distributed.chunkfile", "kvlib.distributed.tiered",
-      "kvlib.distributed.cluster"],
+      "kvlib.distributed.disk", "kvlib.distributed.cachekind", "kvlib.distributed.chunkfile",
+      "kvlib.distributed.tiered", "kvlib.distributed.cluster"],
      "tensor parallelism, disaggregated prefill and decode, a disk tier, and the cluster's arithmetic"),
     ("support", "Validation", [], ["kvlib.validate"], "the checks behind kvlib's clear errors"),
 ]

@@ -9,11 +9,12 @@ The FLOP counts explain the other half of the story: without a cache every
 step recomputes every earlier position, so the work grows with the square of
 the length; with a cache each step costs one position.
 
-Parameter and cache counts come from `kvlib.memory`. ``dtype`` is the width
-of one stored number, a name (``"fp32"``, ``"fp16"``) or a byte count, for
-weights and cache alike. The default is `kvlib.memory.DEFAULT_DTYPE` (fp16, a serving
-GPU's), the same as `kvlib.memory`'s and `kvlib.hardware.step_time`'s; kvlib's own CPU
-models are fp32, so pass ``dtype="fp32"`` for them.
+Parameter and cache counts come from `kvlib.memory`, and ``dtype`` is what it is there:
+the width of one stored number, for weights and cache alike, as a ``torch.dtype``, a name
+(``"fp32"``, ``"fp16"``) or a byte count. The default, ``None``, is a kvlib model's (fp32,
+as a fresh `kvlib.Transformer` is); a served model's fp16 is ``dtype="fp16"``, which is
+`kvlib.hardware.step_time`'s default, since its peaks are a GPU's. Arguments come in one
+order across both modules: the model, the lengths, ``batch``, then ``dtype``.
 A multiply-add counts as 2 FLOPs. Norms, RoPE, softmax and the SwiGLU
 product are left out of the FLOP counts: they are O(d_model) per token
 against O(d_model²) for the matmuls.
@@ -21,12 +22,31 @@ against O(d_model²) for the matmuls.
 
 from __future__ import annotations
 
+import warnings
+
 from . import memory
 from .config import ModelConfig
+from .memory import DType
 from .validate import int_at_least
 
 
-def decode_bytes_per_token(config: ModelConfig, context: int, dtype: str | int = memory.DEFAULT_DTYPE, batch: int = 1) -> int:
+def _old_order(old: tuple, batch: int, dtype: DType) -> tuple[int, DType]:
+    """Until kvlib 0.5 the order was ``decode_bytes_per_token(config, context, dtype, batch)``. Those
+    positional arguments still work, with a DeprecationWarning: read in the old order, never
+    silently in the new one (``4`` was 4 bytes there, and would be a batch of 4 here)."""
+    if not old:
+        return batch, dtype
+    if len(old) > 2 or (len(old) == 2 and batch != 1) or dtype is not None:
+        raise TypeError(f"decode_bytes_per_token takes batch= and dtype= by name; got {len(old)} more positional "
+                        "arguments beside them")
+    warnings.warn("decode_bytes_per_token(config, context, dtype, batch): pass batch= and dtype= by name, in "
+                  "kvlib.memory's order (batch, then dtype); positional ones stop working in kvlib 0.6",
+                  DeprecationWarning, stacklevel=3)
+    return (old[1] if len(old) == 2 else batch), old[0]
+
+
+def decode_bytes_per_token(config: ModelConfig, context: int, *old: object, batch: int = 1,
+                           dtype: DType = None) -> int:
     """Bytes one decode step must move to or from memory, ``context`` tokens already cached.
 
     ===================  ==================================================================
@@ -44,6 +64,7 @@ def decode_bytes_per_token(config: ModelConfig, context: int, dtype: str | int =
     ``batch * vocab`` logits are left out: they are small and mostly stay in
     cache. The matrices dominate until the KV term catches up at long context.
     """
+    batch, dtype = _old_order(old, batch, dtype)
     memory.check_config(config)
     int_at_least("context", context, 0)
     int_at_least("batch", batch, 1)
@@ -120,8 +141,9 @@ def _check_step(config: ModelConfig, batch: int, context: int, new_tokens: int) 
 KV_SUB_BYTE = {"int4": 0.5, "int2": 0.25}  # packed quantized caches, scales not counted
 
 
-def kv_width(kv_dtype: str | float) -> float:
-    """Bytes per cached number: a `kvlib.memory` dtype name, ``"int4"``/``"int2"``, or a positive number."""
+def kv_width(kv_dtype: DType | float) -> float:
+    """Bytes per cached number: what `kvlib.memory.dtype_bytes` takes (``None``, a ``torch.dtype``,
+    a name, a byte count), ``"int4"``/``"int2"``, or a positive number."""
     if isinstance(kv_dtype, str) and kv_dtype in KV_SUB_BYTE:
         return KV_SUB_BYTE[kv_dtype]
     if isinstance(kv_dtype, float) and kv_dtype > 0:
@@ -130,7 +152,7 @@ def kv_width(kv_dtype: str | float) -> float:
 
 
 def step_bytes(config: ModelConfig, batch: int, context: int, new_tokens: int = 1,
-               dtype: str | int = memory.DEFAULT_DTYPE, kv_dtype: str | float | None = None) -> dict[str, int]:
+               dtype: DType = None, kv_dtype: DType | float = None) -> dict[str, int]:
     """Bytes one forward step moves: ``batch`` sequences, each with ``context`` tokens
     cached, each adding ``new_tokens`` (1 for a decode step; a prefill is ``context=0,
     new_tokens=T``).
@@ -184,7 +206,7 @@ def step_flops(config: ModelConfig, batch: int, context: int, new_tokens: int = 
 
 
 def intensity(config: ModelConfig, batch: int, context: int, new_tokens: int = 1,
-              dtype: str | int = memory.DEFAULT_DTYPE, kv_dtype: str | float | None = None) -> dict[str, float]:
+              dtype: DType = None, kv_dtype: DType | float = None) -> dict[str, float]:
     """Arithmetic intensity (FLOPs per byte moved) of the whole step, its matmuls
     (against the weights) and its attention (against the cache).
 
@@ -201,8 +223,8 @@ def intensity(config: ModelConfig, batch: int, context: int, new_tokens: int = 1
     }
 
 
-def crossover_context(config: ModelConfig, batch: int = 1, dtype: str | int = memory.DEFAULT_DTYPE,
-                      kv_dtype: str | float | None = None) -> float:
+def crossover_context(config: ModelConfig, batch: int = 1, dtype: DType = None,
+                      kv_dtype: DType | float = None) -> float:
     """The context at which a decode step reads as many cache bytes as weight bytes.
 
     ``weights / (batch * kv_bytes_per_token)``: the weights are read once per step,

@@ -18,9 +18,17 @@ For an all-full model the sum is the product above. The weights, by contrast, do
 batch or context. This module is the one home of that arithmetic (cache bytes, parameter counts,
 dtype widths); `kvlib.cost` builds per-step bytes and FLOPs on it, and `kvlib.simulate` serves
 request traces from a pool of these bytes.
+
+``dtype`` is the width of one stored number, in any form a tensor's is given or named: a
+``torch.dtype`` (``torch.bfloat16``), a name from `DTYPE_BYTES` (``"bf16"``) or a byte count.
+The default, ``None``, is the dtype of a kvlib model's cache: fp32, as a fresh
+`kvlib.Transformer` is, so ``kv_cache_bytes(config, n)`` is ``cache.nbytes`` of its cache after
+``n`` tokens. A real model served on a GPU stores fp16 or bf16: say so, ``dtype="fp16"``.
 """
 
 from __future__ import annotations
+
+import torch
 
 from .config import PRESETS, ModelConfig
 from .layers import tokens_held
@@ -28,9 +36,12 @@ from .validate import int_at_least, positive_int
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
-# The one default width of a stored number, for memory, cost and hardware alike: a serving GPU's
-# fp16 weights and cache. kvlib's own CPU models are fp32: pass dtype="fp32" when you size those.
+# What dtype=None means here and in kvlib.cost: a kvlib model's dtype (its cache's), unless it is cast.
+MODEL_DTYPE = torch.float32
+# A serving GPU's width of weights and cache: the default of kvlib.hardware.step_time, whose peaks are a
+# GPU's. Not the default here: pass dtype="fp16" (or DEFAULT_DTYPE) to size a served model.
 DEFAULT_DTYPE = "fp16"
+DType = str | int | torch.dtype | None  # what every dtype= argument of memory and cost takes
 
 
 def check_config(config: object) -> ModelConfig:
@@ -40,13 +51,27 @@ def check_config(config: object) -> ModelConfig:
     return config
 
 
-def dtype_bytes(dtype: str | int) -> int:
-    """Bytes of one stored number: a name from `DTYPE_BYTES` (``"fp16"`` -> 2) or a positive byte count."""
+def dtype_bytes(dtype: DType = None) -> int:
+    """Bytes of one stored number: ``None`` (a kvlib model's cache, `MODEL_DTYPE`: 4), a
+    ``torch.dtype`` (``torch.float16`` -> 2), a name from `DTYPE_BYTES` (``"fp16"`` -> 2) or a
+    positive byte count."""
+    if dtype is None:
+        return MODEL_DTYPE.itemsize
+    if isinstance(dtype, torch.dtype) and dtype != torch.bool:
+        return dtype.itemsize
     if isinstance(dtype, int) and not isinstance(dtype, bool) and dtype > 0:
         return dtype
     if isinstance(dtype, str) and dtype in DTYPE_BYTES:
         return DTYPE_BYTES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} or a positive byte count, got {dtype!r}")
+    raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, a torch.dtype, a positive byte count, or "
+                     f"None (a kvlib model's {MODEL_DTYPE}), got {dtype!r}")
+
+
+def dtype_name(dtype: DType = None) -> str:
+    """``dtype`` as a short name for messages: ``"fp32"``, ``"torch.bfloat16"``, ``"2-byte"``."""
+    if dtype is None:
+        return str(MODEL_DTYPE)
+    return f"{dtype}-byte" if isinstance(dtype, int) and not isinstance(dtype, bool) else str(dtype)
 
 
 # -- the weights ----------------------------------------------------------------------------------
@@ -106,8 +131,8 @@ def param_count(config: ModelConfig) -> int:
     return matrix_params(config) + norms + embedding
 
 
-def weight_bytes(config: ModelConfig, dtype: str | int = DEFAULT_DTYPE) -> int:
-    """Bytes of all parameters stored at ``dtype``."""
+def weight_bytes(config: ModelConfig, dtype: DType = None) -> int:
+    """Bytes of all parameters stored at ``dtype`` (default: a kvlib model's fp32)."""
     return param_count(config) * dtype_bytes(dtype)
 
 
@@ -128,7 +153,7 @@ def numbers_per_token(config: ModelConfig, layer: int) -> int:
     return 2 * config.n_kv_head * config.head_dim
 
 
-def kv_bytes_by_layer(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str | int = DEFAULT_DTYPE) -> list[int]:
+def kv_bytes_by_layer(config: ModelConfig, seq_len: int, batch: int = 1, dtype: DType = None) -> list[int]:
     """Cache bytes of each layer for ``batch`` sequences of ``seq_len`` tokens:
     ``batch * numbers_per_token(layer) * tokens_held(kind, seq_len) * dtype_bytes(dtype)``."""
     check_config(config)
@@ -139,7 +164,7 @@ def kv_bytes_by_layer(config: ModelConfig, seq_len: int, batch: int = 1, dtype: 
             for i, kind in enumerate(config.layer_kinds())]
 
 
-def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str | int = DEFAULT_DTYPE) -> int:
+def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: DType = None) -> int:
     """Bytes of keys and values for ``batch`` sequences of ``seq_len`` positions: the sum of
     `kv_bytes_by_layer`. For an all-full model that is
     ``2 * n_layer * batch * n_kv_head * seq_len * head_dim * dtype_bytes(dtype)``.
@@ -147,15 +172,23 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str
     Example
 
     >>> cfg = kvlib.PRESETS["llama-2-7b"]  # 32 layers, 32 KV heads of 128
-    >>> kvlib.memory.kv_cache_bytes(cfg, seq_len=4096) == 2 * 32 * 32 * 4096 * 128 * 2  # fp16
+    >>> kvlib.memory.kv_cache_bytes(cfg, seq_len=4096, dtype="fp16") == 2 * 32 * 32 * 4096 * 128 * 2
     True
-    >>> kvlib.memory.kv_cache_bytes(cfg, 4096, batch=8, dtype="fp8") / 2**30  # GiB
+    >>> kvlib.memory.kv_cache_bytes(cfg, 4096, batch=8, dtype=torch.float8_e4m3fn) / 2**30  # GiB
     8.0
+
+    The default dtype is a kvlib model's, so the formula is what its cache holds:
+
+    >>> tiny = kvlib.Transformer(kvlib.PRESETS["tiny"])
+    >>> cache = kvlib.DynamicCache(tiny.config.n_layer)
+    >>> logits = tiny(torch.arange(1, 41)[None], cache)
+    >>> kvlib.memory.kv_cache_bytes(tiny.config, 40) == cache.nbytes  # fp32, as the model
+    True
     """
     return sum(kv_bytes_by_layer(config, seq_len, batch, dtype))
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str | int = DEFAULT_DTYPE) -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype: DType = None) -> int:
     """Cache bytes of one token in every layer that stores it: ``kv_cache_bytes(config, 1)``.
 
     In an all-full model every token adds exactly this, at any length. In a hybrid model it is
@@ -167,7 +200,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype: str | int = DEFAULT_DTYPE) ->
     return kv_cache_bytes(config, 1, 1, dtype)
 
 
-def kv_growth_per_token(config: ModelConfig, dtype: str | int = DEFAULT_DTYPE) -> int:
+def kv_growth_per_token(config: ModelConfig, dtype: DType = None) -> int:
     """Cache bytes one more token adds to a long text, once every window is full: the bytes per
     token of the layers that keep every token (full and latent); windows and shared layers add
     none, and a chunked layer's bytes rise and fall within each chunk (none on average).
@@ -195,13 +228,14 @@ def _free_bytes(config: ModelConfig, memory_bytes: int, dtype: str | int, weight
     free = memory_bytes - (weight_bytes(config, dtype) if weights else 0)
     if free < 0:
         raise ValueError(
-            f"{config.name or 'the model'}'s weights ({weight_bytes(config, dtype) / GiB:.1f} GiB at {dtype}) "
+            f"{config.name or 'the model'}'s weights ({weight_bytes(config, dtype) / GiB:.1f} GiB at "
+            f"{dtype_name(dtype)}) "
             f"do not fit in {memory_bytes / GiB:.1f} GiB"
         )
     return free
 
 
-def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = DEFAULT_DTYPE, *, weights: bool = True) -> int:
+def max_tokens(config: ModelConfig, memory_bytes: int, dtype: DType = None, *, weights: bool = True) -> int:
     """How many cached tokens (summed over the batch) fit in ``memory_bytes``,
     after the weights if ``weights=True``. Activations and fragmentation are ignored.
 
@@ -213,9 +247,9 @@ def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = DEFAUL
     Example
 
     >>> cfg = kvlib.PRESETS["llama-3-8b"]
-    >>> kvlib.memory.kv_bytes_per_token(cfg)  # 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+    >>> kvlib.memory.kv_bytes_per_token(cfg, "fp16")  # 2 x 32 layers x 8 KV heads x 128 x 2 bytes
     131072
-    >>> kvlib.memory.max_tokens(cfg, 80 * 2**30)  # an 80 GiB GPU, after 15 GiB of fp16 weights
+    >>> kvlib.memory.max_tokens(cfg, 80 * 2**30, "fp16")  # an 80 GiB GPU, after 15 GiB of fp16 weights
     532827
     """
     check_config(config)
@@ -223,14 +257,14 @@ def max_tokens(config: ModelConfig, memory_bytes: int, dtype: str | int = DEFAUL
     return _free_bytes(config, memory_bytes, dtype, weights) // kv_bytes_per_token(config, dtype)
 
 
-def max_batch(config: ModelConfig, memory_bytes: int, seq_len: int, dtype: str | int = DEFAULT_DTYPE) -> int:
+def max_batch(config: ModelConfig, memory_bytes: int, seq_len: int, dtype: DType = None) -> int:
     """The largest batch of ``seq_len``-token sequences whose cache fits beside the weights:
     the free bytes over ``kv_cache_bytes(config, seq_len)``, for any layer pattern.
 
     Example
 
     >>> cfg = kvlib.PRESETS["llama-3-8b"]
-    >>> kvlib.memory.max_batch(cfg, 80 * 2**30, seq_len=8192)  # 532827 tokens // 8192
+    >>> kvlib.memory.max_batch(cfg, 80 * 2**30, seq_len=8192, dtype="fp16")  # 532827 tokens // 8192
     65
     >>> mistral = kvlib.PRESETS["mistral-7b"]  # every layer a window of 4096: longer costs no more
     >>> kvlib.memory.max_batch(mistral, 80 * 2**30, 32768) == kvlib.memory.max_batch(mistral, 80 * 2**30, 4096)
@@ -242,7 +276,7 @@ def max_batch(config: ModelConfig, memory_bytes: int, seq_len: int, dtype: str |
 
 
 def pool_capacity(
-    config: ModelConfig, memory_bytes: int, max_len: int, block_size: int = 16, dtype: str | int = DEFAULT_DTYPE
+    config: ModelConfig, memory_bytes: int, max_len: int, block_size: int = 16, dtype: DType = None
 ) -> tuple[int, int, float]:
     """``(blocks, tokens, max concurrency)`` of a paged pool of ``memory_bytes``, the way vLLM sizes it.
 
@@ -270,7 +304,7 @@ def pool_capacity(
     return blocks, int(concurrency * max_len), concurrency
 
 
-def table(names: list[str] | None = None, seq_len: int = 4096, batch: int = 1, dtype: str | int = DEFAULT_DTYPE) -> list[dict]:
+def table(names: list[str] | None = None, seq_len: int = 4096, batch: int = 1, dtype: DType = None) -> list[dict]:
     """One row per preset: parameters, weight GiB, cache KiB per token, cache GiB at ``batch x seq_len``.
 
     "Per token" is the mean at ``seq_len``, ``kv_cache_bytes(seq_len) / seq_len``: for an

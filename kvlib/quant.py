@@ -17,8 +17,8 @@ token; *per-channel* scales reduce over the tokens ``S`` of one channel;
 keys per channel (a few key channels carry large outliers) and values per
 token, and keeps the newest tokens in full precision.
 
-Scales and minimums are stored in fp16 and counted in ``nbytes``. 4-bit and
-2-bit codes are packed two and four to a byte.
+Scales and minimums are stored in fp16 (fp32 where a tensor's pass fp16's 65,504) and counted
+in ``nbytes``. 4-bit and 2-bit codes are packed two and four to a byte.
 
 `FP8Cache` stores 8-bit floats instead (e4m3, vLLM's ``kv_cache_dtype="fp8"``),
 with one fp32 scale per layer or per KV head. (`kvlib.hf.HFQuantizedCache` runs
@@ -79,13 +79,17 @@ def _fp16_at_most(x: torch.Tensor) -> torch.Tensor:
     return torch.where(high, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
 
 
+def _finite(*xs: torch.Tensor | None) -> bool:
+    return all(bool(x.isfinite().all()) for x in xs if x is not None)  # in fp16: nothing past ±65,504
+
+
 @dataclass
 class QTensor:
     """A quantized tensor: packed codes plus fp16 scales (and minimums, if asymmetric)."""
 
     codes: torch.Tensor  # uint8, packed along the (moved-last) reduced axis
-    scale: torch.Tensor  # fp16, one per group
-    minimum: torch.Tensor | None  # fp16, one per group; None when symmetric
+    scale: torch.Tensor  # fp16 (fp32 if any overflows fp16), one per group
+    minimum: torch.Tensor | None  # like scale, one per group; None when symmetric
     bits: int
     dim: int  # the axis whose elements share a scale (-1: per token, -2: per channel)
     shape: tuple[int, ...]  # the original shape
@@ -116,12 +120,17 @@ def quantize(
 
     ``dim=-1`` on a ``(B, H, S, D)`` cache is per-token, ``dim=-2`` per-channel;
     ``group_size=None`` shares one scale across the whole axis.
+
+    Scales and minimums are computed in fp32 and stored in fp16, rounded outward, unless one of
+    them is past fp16's ±65,504: then the tensor's stay fp32 (4 bytes each in ``nbytes``).
     """
     _check_bits(bits)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"quantize needs a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() == 0 or x.numel() == 0:
         raise ValueError(f"quantize needs a non-empty tensor with at least one dim, got shape {tuple(x.shape)}")
+    if not _finite(x):
+        raise ValueError(f"quantize needs finite numbers; x {tuple(x.shape)} holds inf or NaN")
     dim = dim % x.dim()
     n = x.shape[dim]
     g = n if group_size is None else group_size
@@ -131,18 +140,19 @@ def quantize(
         raise ValueError(f"group_size {g} must be a multiple of {8 // bits} to pack {bits}-bit codes")
     xf = x.float().movedim(dim, -1)  # (..., n): the shared axis last
     xg = xf.reshape(*xf.shape[:-1], n // g, g)  # (..., groups, g)
+    qmax = 2 ** (bits - 1) - 1 if symmetric else 2**bits - 1  # the largest code (symmetric: |code|)
+    lo, top = (None, xg.abs().amax(-1)) if symmetric else (xg.amin(-1), xg.amax(-1))  # (..., groups)
+    low = None if symmetric else _fp16_at_most(lo)  # never above the true minimum
+    half = _fp16_at_least((top if symmetric else top - low.float()) / qmax)
+    scale, minimum = (half, low) if _finite(low, half) else (  # past fp16's ±65,504: fp32, never inf
+        (top if symmetric else top - lo) / qmax, lo)
+    if not _finite(scale):  # only a spread past fp32's own 3.4e38
+        raise ValueError(f"quantize: a group's spread overflows fp32 (max |x| {float(xg.abs().max()):.3g})")
+    s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))[..., None]
     if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        scale = _fp16_at_least(xg.abs().amax(-1) / qmax)  # (..., groups)
-        s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))[..., None]
         q = torch.clamp(torch.round(xg / s), -qmax, qmax) + 2 ** (bits - 1)  # shift to unsigned codes
-        minimum = None
     else:
-        minimum = _fp16_at_most(xg.amin(-1))  # (..., groups), never above the true minimum
-        span = xg.amax(-1) - minimum.float()
-        scale = _fp16_at_least(span / (2**bits - 1))
-        s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))[..., None]
-        q = torch.clamp(torch.round((xg - minimum.float()[..., None]) / s), 0, 2**bits - 1)
+        q = torch.clamp(torch.round((xg - minimum.float()[..., None]) / s), 0, qmax)
     return QTensor(pack_codes(q.to(torch.uint8), bits), scale, minimum, bits, dim - x.dim(), tuple(x.shape), x.dtype)
 
 

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from kvlib import PRESETS, ModelConfig, Transformer, cost, memory
 
@@ -7,15 +8,44 @@ def test_decode_bytes_are_all_weights_plus_the_cache():
     c = PRESETS["tiny"].replace(tie_embeddings=True)
     model = Transformer(c, device="meta")
     weights = sum(p.numel() for p in model.parameters()) * 4
-    assert cost.decode_bytes_per_token(c, 0, "fp32") == weights + memory.kv_cache_bytes(c, 1, dtype="fp32")
-    assert cost.decode_bytes_per_token(c, 100, "fp32") - cost.decode_bytes_per_token(c, 0, "fp32") == memory.kv_cache_bytes(
-        c, 100, dtype="fp32")
+    assert cost.decode_bytes_per_token(c, 0) == weights + memory.kv_cache_bytes(c, 1)  # fp32, as the model
+    assert cost.decode_bytes_per_token(c, 100) - cost.decode_bytes_per_token(c, 0) == memory.kv_cache_bytes(c, 100)
 
 
-def test_decode_bytes_take_a_dtype_name_or_a_byte_count():
+def test_decode_bytes_take_a_torch_dtype_a_dtype_name_or_a_byte_count():
     c = PRESETS["smollm2-135m"]
-    assert cost.decode_bytes_per_token(c, 50, "fp32") == cost.decode_bytes_per_token(c, 50, 4)
-    assert cost.decode_bytes_per_token(c, 50, "fp32") == 2 * cost.decode_bytes_per_token(c, 50, "fp16")
+    f32 = cost.decode_bytes_per_token(c, 50, dtype="fp32")
+    assert f32 == cost.decode_bytes_per_token(c, 50, dtype=4) == cost.decode_bytes_per_token(c, 50, dtype=torch.float32)
+    assert f32 == cost.decode_bytes_per_token(c, 50) == 2 * cost.decode_bytes_per_token(c, 50, dtype=torch.bfloat16)
+    assert cost.step_bytes(c, 2, 50, dtype=torch.float16) == cost.step_bytes(c, 2, 50, dtype="fp16")
+    assert cost.kv_width(torch.float8_e4m3fn) == 1 and cost.kv_width(None) == 4
+
+
+def test_memory_and_cost_take_batch_then_dtype_in_one_order_and_one_default():
+    """decode_bytes_per_token took (context, dtype, batch) while kvlib.memory takes (seq_len, batch, dtype)."""
+    import inspect
+
+    c = PRESETS["llama-2-7b"]
+    assert cost.decode_bytes_per_token(c, 40, batch=4, dtype="fp16") == cost.step_bytes(c, 4, 40, dtype="fp16")["total"]
+    fns = (memory.weight_bytes, memory.kv_bytes_by_layer, memory.kv_cache_bytes, memory.kv_bytes_per_token,
+           memory.kv_growth_per_token, memory.max_tokens, memory.max_batch, memory.pool_capacity, memory.table,
+           cost.decode_bytes_per_token, cost.step_bytes, cost.intensity, cost.crossover_context)
+    for fn in fns:
+        params = list(inspect.signature(fn).parameters)
+        assert inspect.signature(fn).parameters["dtype"].default is None, fn.__name__
+        if "batch" in params:
+            assert params.index("batch") < params.index("dtype"), fn.__name__
+    # the old order still works for one version, read the old way (4 was bytes there), with a warning
+    with pytest.warns(DeprecationWarning, match="pass batch= and dtype= by name"):
+        old = cost.decode_bytes_per_token(c, 40, "fp16", 4)
+    assert old == cost.decode_bytes_per_token(c, 40, batch=4, dtype="fp16")
+    with pytest.warns(DeprecationWarning):
+        assert cost.decode_bytes_per_token(c, 40, 2) == cost.decode_bytes_per_token(c, 40, dtype=2)
+    with pytest.warns(DeprecationWarning):
+        assert cost.decode_bytes_per_token(c, 40, "fp16", batch=3) == cost.decode_bytes_per_token(c, 40, batch=3,
+                                                                                                   dtype="fp16")
+    with pytest.raises(TypeError, match="by name"):
+        cost.decode_bytes_per_token(c, 40, "fp16", dtype="fp32")
 
 
 def brute_force_flops(c: ModelConfig, prompt: int, new: int, naive: bool) -> int:
@@ -52,5 +82,5 @@ def test_bad_arguments():
         memory.layer_matrix_params(PRESETS["gpt2"])
     with pytest.raises(TypeError, match="config must be a ModelConfig"):
         cost.flops_per_token({"n_layer": 2}, 3)
-    with pytest.raises(ValueError, match="dtype must be one of"):
-        cost.decode_bytes_per_token(PRESETS["tiny"], 1, "fp12")
+    with pytest.raises(ValueError, match="dtype must be one of .*, a torch.dtype"):
+        cost.decode_bytes_per_token(PRESETS["tiny"], 1, dtype="fp12")

@@ -19,6 +19,7 @@ import torch
 import kvlib
 from kvlib.distributed import chunkfile, disk
 from kvlib.generate import prefill as full_prefill
+from kvlib.distributed.cachekind import cache_kind
 from kvlib.distributed.disk import DiskStore, StoreError
 from kvlib.distributed.tiered import crossover, load_vs_recompute, prefill
 
@@ -300,14 +301,24 @@ def test_a_prefix_loses_its_tail_first_and_keeps_its_head(tmp_path):
     assert (report.written, report.no_room) == (3, 2) and store.lookup(long).n_tokens == 3 * CT
 
 
-def test_a_budget_below_one_chunk_and_a_chunk_over_the_budget_are_clear_errors(tmp_path):
+def test_a_budget_below_one_chunk_file_is_refused_with_the_smallest_that_fits(tmp_path):
+    """The budget counts files, header included: a budget of the tensor bytes alone was accepted
+    before, and then every put failed. Now the constructor names the smallest budget that fits."""
     tensors = 2 * L * H * CT * D * 4
-    with pytest.raises(ValueError, match=f"budget_bytes={tensors - 1} cannot hold one chunk of {tensors} bytes"):
-        open_store(tmp_path, budget_bytes=tensors - 1)
-    store, tokens = open_store(tmp_path, budget_bytes=tensors), rand_tokens(CT, seed=40)  # no room for the header
-    with pytest.raises(StoreError, match=f"exceeds budget_bytes={tensors}"):
-        store.put(tokens, synthetic_kv(tokens))
-    assert store.files() == [] and not temps(tmp_path)
+    need = open_store(tmp_path / "probe").chunk_file_bytes()
+    assert need > tensors  # the header: shapes, fingerprint, keys, token ids, checksum
+    for budget in (tensors, need - 1):
+        with pytest.raises(ValueError, match=f"budget_bytes={budget} cannot hold one chunk file of {need} bytes.*"
+                                             f"at least {need}"):
+            open_store(tmp_path / "s", budget_bytes=budget)
+    store = open_store(tmp_path / "s", budget_bytes=need)  # the smallest: a chunk of the largest ids fits
+    tokens = [2**31 - 1] * CT
+    assert store.put(tokens, synthetic_kv(tokens)).written == 1 and store.nbytes <= need
+    assert_exact(store.lookup(tokens), tokens)
+    huge = [10**400] * CT  # ids far past 2**31 make a longer header than the budget allows for: a clear error
+    with pytest.raises(StoreError, match=f"exceeds budget_bytes={need}"):
+        store.put(huge, synthetic_kv(huge))
+    assert len(store) == 1 and not temps(tmp_path / "s")
 
 
 def test_a_full_disk_raises_a_clear_error_and_leaves_no_temp(tmp_path, monkeypatch):
@@ -331,6 +342,89 @@ def test_a_full_disk_raises_a_clear_error_and_leaves_no_temp(tmp_path, monkeypat
     served = prefill(model, tokens, open_store(tmp_path / "m"))  # a request survives a failed store
     assert (served.computed, served.stored) == (3 * CT, 1)  # the chunk before the failure
     assert "No space left" in served.store_error and not temps(tmp_path / "m")
+
+
+# -- the cache's kind: lossy K/V are never served as exact ----------------------------------------
+def q2_cache() -> "kvlib.quant.QuantizedCache":
+    return kvlib.quant.QuantizedCache(L, bits=2, residual=0, block=CT)  # every whole block in 2 bits
+
+
+def test_a_quantized_prefix_is_never_served_to_an_exact_request(tmp_path):
+    """A 2-bit cache's prefill stored its dequantized K/V under the exact model's keys, and a later
+    exact request loaded them as its own. Now chunks are keyed by the cache's kind."""
+    model, store = tiny_model(), open_store(tmp_path)
+    first = rand_tokens(43, seed=60)
+    q2 = q2_cache()
+    served = prefill(model, first, store, q2)
+    assert served.stored == 5 and served.kind == cache_kind(q2) != "exact"
+    again = first[:35] + rand_tokens(20, seed=61)
+    assert store.lookup(again).n_tokens == 0 and store.lookup(again, kind=served.kind).n_tokens == 32
+    exact = prefill(model, again, store)  # an exact request: the 2-bit chunks are not its prefix
+    assert (exact.loaded, exact.computed, exact.kind) == (0, len(again), "exact")
+    ref = full_prefill(model, torch.tensor(again)[None], kvlib.StaticCache.for_model(CFG, 1, len(again)))
+    torch.testing.assert_close(exact.logits, ref, atol=1e-5, rtol=1e-5)
+    assert exact.logits.argmax() == ref.argmax()
+    # the same 2-bit cache gets the 2-bit prefix; another setting (4 bits) does not
+    same = prefill(model, again, store, q2_cache())
+    assert (same.loaded, same.kind) == (32, served.kind)
+    q4 = kvlib.quant.QuantizedCache(L, bits=4, residual=0, block=CT)
+    assert prefill(model, again, store, q4).loaded == 0
+    # and by hand: a lossy prefix will not fill an exact cache, nor an exact one a lossy cache
+    with pytest.raises(ValueError, match=r"made by a cache of kind QuantizedCache\(bits=2.*is of kind exact"):
+        store.lookup(again, kind=served.kind).fill(kvlib.DynamicCache(L))
+    with pytest.raises(ValueError, match="kind exact.*kind QuantizedCache"):
+        store.lookup(again).fill(q2_cache())
+    with pytest.raises(ValueError, match="kind='exact', but this QuantizedCache is of kind QuantizedCache"):
+        store.put(first, q2, kind="exact")
+
+
+def test_the_kind_names_the_class_and_its_settings():
+    assert cache_kind(kvlib.DynamicCache(L)) == cache_kind(kvlib.StaticCache.for_model(CFG, 1, 8)) == "exact"
+    assert cache_kind(kvlib.hybrid.HybridCache.for_model(CFG)) == "exact"  # every layer full
+    assert cache_kind(kvlib.quant.CastCache(L, torch.float16)) == "CastCache(store_dtype=torch.float16)"
+    assert cache_kind(kvlib.quant.FP8Cache(L)) == "FP8Cache(per_head=False, scale=None)"
+    assert cache_kind(q2_cache()) != cache_kind(kvlib.quant.QuantizedCache(L, bits=2, residual=0, block=CT,
+                                                                            symmetric=True))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kvlib.evict.WindowCache(L, 32),  # each with room for the prompt: no eviction yet, still refused
+    lambda: kvlib.evict.SinkCache(L, 4, 32, 10000.0),
+    lambda: kvlib.evict.H2OCache(L, 8, 32),
+    lambda: kvlib.press.PressCache(L, "snapkv", 0.5),
+    lambda: kvlib.hybrid.HybridCache((kvlib.layers.window(16), kvlib.layers.full())),
+], ids=["window", "sink", "h2o", "press", "hybrid-window"])
+def test_caches_that_evict_tokens_are_refused(tmp_path, make):
+    """They do not hold the whole prefix: nothing whole to store, and a loaded prefix would not be
+    theirs. A window with room for the prompt was accepted before, and its chunks stored."""
+    model, store, tokens = tiny_model(), open_store(tmp_path), rand_tokens(24, seed=62)
+    with pytest.raises(ValueError, match="evicts tokens|do not hold every token"):
+        prefill(model, tokens, store, make())
+    assert len(store) == 0
+
+
+def test_a_cache_class_of_your_own_names_its_kind(tmp_path):
+    class Mine(kvlib.DynamicCache):
+        pass
+
+    model, store, tokens = tiny_model(), open_store(tmp_path), rand_tokens(24, seed=63)
+    with pytest.raises(TypeError, match="does not know whether a Mine returns the K/V it was given.*kind='exact'"):
+        prefill(model, tokens, store, Mine(L))
+    assert prefill(model, tokens, store, Mine(L), kind="exact").stored == 3
+    assert prefill(model, tokens, store).loaded == 16  # an exact request reads what it stored
+    assert prefill(model, tokens, store, Mine(L), kind="mine, 3 bits").loaded == 0
+    with pytest.raises(ValueError, match="1 to 256 characters"):
+        store.lookup(tokens, kind="")
+
+
+def test_for_model_takes_a_model_or_a_config(tmp_path):
+    model = tiny_model()
+    a = DiskStore.for_model(tmp_path / "a", model, model_id="m")
+    b = DiskStore.for_model(tmp_path / "b", CFG, model_id="m")  # a config: fp32, as a fresh model
+    assert a.fingerprint == b.fingerprint and a.shape == b.shape and b.dtype == torch.float32
+    assert DiskStore.for_model(tmp_path / "c", CFG, model_id="m", dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="kvlib.Transformer or a kvlib.ModelConfig, got str"):
+        DiskStore.for_model(tmp_path / "d", "tiny", model_id="m")
 
 
 # -- misuse -------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_step_bytes_and_flops_equal_hand_counts(c, batch, context, new, dtype, w
 @pytest.mark.parametrize("c", SMALL, ids=lambda c: c.name)
 def test_step_counts_agree_with_memory_and_the_older_cost_functions(c):
     assert cost.step_bytes(c, 1, 40)["total"] == cost.decode_bytes_per_token(c, 40)
-    assert cost.step_bytes(c, 4, 40, dtype="fp16")["total"] == cost.decode_bytes_per_token(c, 40, "fp16", batch=4)
+    assert cost.step_bytes(c, 4, 40, dtype="fp16")["total"] == cost.decode_bytes_per_token(c, 40, batch=4, dtype="fp16")
     assert cost.step_bytes(c, 3, 40, dtype="fp32")["kv_read"] == memory.kv_cache_bytes(c, 40, 3, "fp32")
     assert cost.step_flops(c, 1, 0, 12)["total"] == cost.cached_flops(c, 12, 1)  # a prefill
     assert cost.step_flops(c, 1, 30)["total"] == cost.flops_per_token(c, 31)  # a decode step
@@ -245,16 +245,19 @@ def test_fast_dtype_rejects_devices_it_does_not_know():
         fast_dtype("meta")
 
 
-def test_one_default_width_across_memory_cost_and_hardware():
-    """memory, cost and step_time share kvlib.memory.DEFAULT_DTYPE; measure must be told what to time."""
+def test_memory_and_cost_default_to_a_kvlib_models_width_and_step_time_to_a_gpus():
+    """memory and cost size a kvlib model by default (dtype=None: fp32, its cache's); step_time prices a
+    GPU's step, so it keeps a serving GPU's fp16 (kvlib.memory.DEFAULT_DTYPE); measure must be told."""
     import inspect
 
     c = PRESETS["llama-2-7b"]
-    assert memory.DEFAULT_DTYPE == "fp16"
+    assert memory.DEFAULT_DTYPE == "fp16" and memory.MODEL_DTYPE == torch.float32
     for fn in (memory.weight_bytes, memory.kv_cache_bytes, memory.kv_bytes_per_token, cost.decode_bytes_per_token,
-               cost.step_bytes, cost.intensity, cost.crossover_context, step_time):
-        assert inspect.signature(fn).parameters["dtype"].default == memory.DEFAULT_DTYPE, fn.__name__
-    assert cost.step_bytes(c, 1, 100)["kv_read"] == memory.kv_cache_bytes(c, 100)
+               cost.step_bytes, cost.intensity, cost.crossover_context):
+        assert inspect.signature(fn).parameters["dtype"].default is None, fn.__name__
+    assert inspect.signature(step_time).parameters["dtype"].default == memory.DEFAULT_DTYPE
+    assert cost.step_bytes(c, 1, 100)["kv_read"] == memory.kv_cache_bytes(c, 100) == 2 * memory.kv_cache_bytes(
+        c, 100, dtype=memory.DEFAULT_DTYPE)
     with pytest.raises(TypeError):
         measure(c)  # no dtype: which one runs fast differs by machine
 

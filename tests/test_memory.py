@@ -19,8 +19,8 @@ def test_one_layer_batch_32_context_4096_is_two_gib():
 
 def test_gqa_shrinks_the_cache_by_the_group_size():
     # Llama-3-8B has the same layers and head_dim as Llama-2-7B but 8 KV heads instead of 32
-    a = memory.kv_bytes_per_token(PRESETS["llama-2-7b"])
-    b = memory.kv_bytes_per_token(PRESETS["llama-3-8b"])
+    a = memory.kv_bytes_per_token(PRESETS["llama-2-7b"], dtype="fp16")
+    b = memory.kv_bytes_per_token(PRESETS["llama-3-8b"], dtype="fp16")
     assert a == 4 * b == 512 * 1024  # 0.5 MiB per token for Llama-2-7B in fp16
 
 
@@ -59,22 +59,43 @@ def test_kv_cache_bytes_is_the_formula():
     assert memory.kv_cache_bytes(PRESETS["tiny"], 10, batch=3, dtype=4) == cache.nbytes
 
 
-def test_dtype_bytes_takes_a_name_or_a_byte_count():
+def test_dtype_bytes_takes_a_torch_dtype_a_name_or_a_byte_count():
     assert [memory.dtype_bytes(d) for d in ("fp32", "fp16", "bf16", "fp8", "int8", 3)] == [4, 2, 2, 1, 1, 3]
-    assert memory.kv_cache_bytes(PRESETS["gpt2"], 10, 2, "fp16") == memory.kv_cache_bytes(PRESETS["gpt2"], 10, 2, 2)
-    for bad in ("fp12", 0, -2, True, 2.0, None, ["fp16"]):
-        with pytest.raises(ValueError, match="dtype must be one of"):
+    torch_dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+    assert [memory.dtype_bytes(d) for d in torch_dtypes] == [4, 2, 2, 1, 1]  # as tensors take them
+    assert memory.dtype_bytes(None) == memory.dtype_bytes() == 4  # a kvlib model's fp32
+    assert memory.kv_cache_bytes(PRESETS["gpt2"], 10, 2, "fp16") == memory.kv_cache_bytes(PRESETS["gpt2"], 10, 2, 2) \
+        == memory.kv_cache_bytes(PRESETS["gpt2"], 10, 2, torch.float16)
+    for bad in ("fp12", 0, -2, True, 2.0, torch.bool, ["fp16"]):
+        with pytest.raises(ValueError, match="dtype must be one of .*, a torch.dtype"):
             memory.dtype_bytes(bad)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])
+def test_the_default_dtype_is_a_kvlib_models_so_the_formula_is_its_caches_nbytes(preset):
+    """The default was fp16, half of what a default (fp32) kvlib model's cache holds."""
+    config = PRESETS[preset].replace(max_seq_len=64)
+    model = Transformer(config)
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    for cache in (kvlib.DynamicCache(config.n_layer), StaticCache.for_model(config, 2, 24)):
+        model(ids, cache)
+        assert memory.kv_cache_bytes(config, 24, 2) == cache.nbytes
+        assert memory.kv_cache_bytes(config, 24, 2, model.dtype) == cache.nbytes  # the model's dtype, as is
+    half = Transformer(config).to(torch.bfloat16)
+    cache = kvlib.DynamicCache(config.n_layer)
+    half(ids, cache)
+    assert memory.kv_cache_bytes(config, 24, 2, half.dtype) == cache.nbytes == memory.kv_cache_bytes(config, 24, 2) // 2
+    assert memory.weight_bytes(config) == sum(p.nbytes for p in model.parameters())
 
 
 def test_kv_cache_bytes_rejects_bad_sizes():
     with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
-        memory.kv_cache_bytes(PRESETS["gpt2"], -1)
+        memory.kv_cache_bytes(PRESETS["gpt2"], -1, dtype="fp16")
     with pytest.raises(ValueError, match="batch must be a positive int"):
-        memory.kv_cache_bytes(PRESETS["gpt2"], 10, 0)
+        memory.kv_cache_bytes(PRESETS["gpt2"], 10, 0, dtype="fp16")
     with pytest.raises(TypeError, match="config must be a ModelConfig"):
         memory.param_count("llama-2-7b")
-    assert memory.kv_cache_bytes(PRESETS["gpt2"], 0) == 0  # an empty cache is allowed
+    assert memory.kv_cache_bytes(PRESETS["gpt2"], 0, dtype="fp16") == 0  # an empty cache is allowed
 
 
 def test_published_parameter_counts():
@@ -88,22 +109,23 @@ def test_published_parameter_counts():
 
 def test_what_fits_on_an_80_gib_gpu():
     cfg = PRESETS["llama-2-7b"]
-    per_seq = memory.kv_cache_bytes(cfg, 4096)  # 2 GiB per 4096-token sequence
-    b = memory.max_batch(cfg, 80 * GiB, 4096)
-    assert b * per_seq + memory.weight_bytes(cfg) <= 80 * GiB < (b + 1) * per_seq + memory.weight_bytes(cfg)
+    per_seq = memory.kv_cache_bytes(cfg, 4096, dtype="fp16")  # 2 GiB per 4096-token sequence
+    b = memory.max_batch(cfg, 80 * GiB, 4096, dtype="fp16")
+    w = memory.weight_bytes(cfg, dtype="fp16")
+    assert b * per_seq + w <= 80 * GiB < (b + 1) * per_seq + w
     with pytest.raises(ValueError, match="do not fit"):
-        memory.max_tokens(PRESETS["llama-3-70b"], 80 * GiB)  # 141 GB of fp16 weights
+        memory.max_tokens(PRESETS["llama-3-70b"], 80 * GiB, dtype="fp16")  # 141 GB of fp16 weights
 
 
 def test_table_rows_and_bad_input():
-    rows = memory.table(["llama-2-7b", "llama-3-8b"], seq_len=2048)
+    rows = memory.table(["llama-2-7b", "llama-3-8b"], seq_len=2048, dtype="fp16")
     assert rows[0]["kv_gib"] == 1.0 and rows[1]["kv_gib"] == 0.25
     with pytest.raises(ValueError, match="unknown preset"):
-        memory.table(["gpt-5"])
+        memory.table(["gpt-5"], dtype="fp16")
     with pytest.raises(ValueError, match="dtype must be one of"):
         memory.kv_cache_bytes(PRESETS["gpt2"], 10, dtype="fp12")
     with pytest.raises(ValueError, match="seq_len must be a positive int"):
-        memory.max_batch(PRESETS["gpt2"], GiB, 0)
+        memory.max_batch(PRESETS["gpt2"], GiB, 0, dtype="fp16")
 
 
 def test_param_count_matches_a_built_model():
@@ -127,7 +149,7 @@ def test_gqa_papers_kv_head_counts_shrink_the_cache_by_the_group():
     # Ainslie et al. 2023: GQA-8 on a 64-head model keeps 8 KV heads, an 8x smaller cache than MHA.
     l70 = PRESETS["llama-3-70b"]
     mha = l70.replace(n_kv_head=l70.n_head)
-    assert memory.kv_bytes_per_token(mha) == 8 * memory.kv_bytes_per_token(l70)
+    assert memory.kv_bytes_per_token(mha, dtype="fp16") == 8 * memory.kv_bytes_per_token(l70, dtype="fp16")
 
 
 # -- the per-layer formula: hybrid layer patterns (kvlib.layers) -----------------------------------
@@ -187,12 +209,12 @@ def test_an_all_full_model_is_the_product_formula(name):
     for S, B, b in ((0, 1, 2), (1, 1, 2), (777, 3, 4), (4096, 8, 1)):
         assert memory.kv_cache_bytes(c, S, B, b) == 2 * L_ * B * H * S * D * b
         assert memory.kv_bytes_by_layer(c, S, B, b) == [2 * B * H * S * D * b] * L_
-    assert memory.kv_bytes_per_token(c) == memory.kv_growth_per_token(c) == 2 * L_ * H * D * 2
+    assert memory.kv_bytes_per_token(c, "fp16") == memory.kv_growth_per_token(c, "fp16") == 2 * L_ * H * D * 2
     if c.family == "llama":  # what fits: the old token budget, cut into sequences
-        mem = memory.weight_bytes(c) + 3 * GiB + 12345
-        budget = (mem - memory.weight_bytes(c)) // (2 * L_ * H * D * 2)
-        assert memory.max_tokens(c, mem) == budget
-        assert memory.max_batch(c, mem, 1000) == budget // 1000
+        mem = memory.weight_bytes(c, dtype="fp16") + 3 * GiB + 12345
+        budget = (mem - memory.weight_bytes(c, dtype="fp16")) // (2 * L_ * H * D * 2)
+        assert memory.max_tokens(c, mem, dtype="fp16") == budget
+        assert memory.max_batch(c, mem, 1000, dtype="fp16") == budget // 1000
 
 
 def test_hybrid_presets_against_their_all_full_selves():
@@ -202,8 +224,8 @@ def test_hybrid_presets_against_their_all_full_selves():
             continue
         dense = c.replace(layers=None)
         for S in (1, 100, 5000, 131072):
-            assert memory.kv_cache_bytes(dense, S) == 2 * c.n_layer * c.n_kv_head * S * c.head_dim * 2
-            assert memory.kv_cache_bytes(c, S) <= memory.kv_cache_bytes(dense, S), (name, S)
+            assert memory.kv_cache_bytes(dense, S, dtype="fp16") == 2 * c.n_layer * c.n_kv_head * S * c.head_dim * 2
+            assert memory.kv_cache_bytes(c, S, dtype="fp16") <= memory.kv_cache_bytes(dense, S, dtype="fp16"), (name, S)
 
 
 def test_mistral_window_saves_8x_at_32k():
@@ -211,7 +233,7 @@ def test_mistral_window_saves_8x_at_32k():
     # this reduces the cache memory usage by 8x, without impacting the model quality".
     mis = PRESETS["mistral-7b"]
     assert memory.kv_cache_bytes(mis.replace(layers=None), 32768) == 8 * memory.kv_cache_bytes(mis, 32768)
-    assert memory.kv_cache_bytes(mis, 32768) == memory.kv_cache_bytes(mis, 4096) == GiB // 2
+    assert memory.kv_cache_bytes(mis, 32768, dtype="fp16") == memory.kv_cache_bytes(mis, 4096, dtype="fp16") == GiB // 2
 
 
 def test_deepseek_v3_caches_576_numbers_per_token_per_layer():
@@ -240,26 +262,27 @@ def test_gemma3_27b_at_128k():
 def test_what_fits_for_a_hybrid_model():
     mis = PRESETS["mistral-7b"]
     mem = 80 * GiB
-    free = mem - memory.weight_bytes(mis)
-    b = memory.max_batch(mis, mem, 16384)
-    assert b == free // memory.kv_cache_bytes(mis, 4096)  # a 16k sequence holds 4096 tokens per layer
-    assert b * memory.kv_cache_bytes(mis, 16384) <= free < (b + 1) * memory.kv_cache_bytes(mis, 16384)
+    free = mem - memory.weight_bytes(mis, dtype="fp16")
+    b = memory.max_batch(mis, mem, 16384, dtype="fp16")
+    assert b == free // memory.kv_cache_bytes(mis, 4096, dtype="fp16")  # a 16k sequence holds 4096 tokens per layer
+    per_seq = memory.kv_cache_bytes(mis, 16384, dtype="fp16")
+    assert b * per_seq <= free < (b + 1) * per_seq
     with pytest.raises(ValueError, match=r"max_tokens assumes every token costs the same.*window\(4096\)"):
-        memory.max_tokens(mis, mem)
+        memory.max_tokens(mis, mem, dtype="fp16")
     with pytest.raises(ValueError, match=r"pool_capacity assumes every token costs the same.*chunked\(8192\)"):
-        memory.pool_capacity(PRESETS["llama-4-scout"], GiB, 2048)
+        memory.pool_capacity(PRESETS["llama-4-scout"], GiB, 2048, dtype="fp16")
     # latent layers grow by the same bytes with every token: a token budget holds
     v3 = PRESETS["deepseek-v3"]
-    assert memory.max_tokens(v3, 80 * GiB, weights=False) == 80 * GiB // (576 * 61 * 2)
-    assert memory.pool_capacity(v3, GiB, 1024, 16)[0] == GiB // (16 * 576 * 61 * 2)
+    assert memory.max_tokens(v3, 80 * GiB, weights=False, dtype="fp16") == 80 * GiB // (576 * 61 * 2)
+    assert memory.pool_capacity(v3, GiB, 1024, 16, dtype="fp16")[0] == GiB // (16 * 576 * 61 * 2)
 
 
 def test_table_takes_the_pattern_into_account():
-    mis, gem = memory.table(["mistral-7b", "gemma-3-27b"], seq_len=8192)
-    assert mis["kv_kib_per_token"] * 1024 * 8192 == memory.kv_cache_bytes(PRESETS["mistral-7b"], 8192)
-    assert mis["kv_kib_per_token"] * 1024 == memory.kv_bytes_per_token(PRESETS["mistral-7b"]) / 2
+    mis, gem = memory.table(["mistral-7b", "gemma-3-27b"], seq_len=8192, dtype="fp16")
+    assert mis["kv_kib_per_token"] * 1024 * 8192 == memory.kv_cache_bytes(PRESETS["mistral-7b"], 8192, dtype="fp16")
+    assert mis["kv_kib_per_token"] * 1024 == memory.kv_bytes_per_token(PRESETS["mistral-7b"], dtype="fp16") / 2
     assert gem["params"] is None and gem["weights_gib"] is None  # a "shapes" preset: not counted
-    assert gem["kv_gib"] * GiB == memory.kv_cache_bytes(PRESETS["gemma-3-27b"], 8192)
+    assert gem["kv_gib"] * GiB == memory.kv_cache_bytes(PRESETS["gemma-3-27b"], 8192, dtype="fp16")
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if PRESETS[n].family == "shapes"])
@@ -270,7 +293,7 @@ def test_shapes_presets_refuse_weight_counts(name):
             f(c)
     with pytest.raises(ValueError, match="Llama-family"):
         Transformer(c, device="meta")
-    assert memory.kv_cache_bytes(c, 4096) > 0  # the cache is what they are for
+    assert memory.kv_cache_bytes(c, 4096, dtype="fp16") > 0  # the cache is what they are for
 
 
 def test_per_layer_bad_input():
@@ -279,10 +302,10 @@ def test_per_layer_bad_input():
         with pytest.raises(IndexError, match="layer must be an int in 0..25"):
             memory.numbers_per_token(c, bad)
     with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
-        memory.kv_bytes_by_layer(c, -1)
+        memory.kv_bytes_by_layer(c, -1, dtype="fp16")
     with pytest.raises(ValueError, match="batch must be a positive int"):
-        memory.kv_bytes_by_layer(c, 10, 0)
+        memory.kv_bytes_by_layer(c, 10, 0, dtype="fp16")
     with pytest.raises(TypeError, match="config must be a ModelConfig"):
-        memory.kv_bytes_by_layer("gemma-3-1b", 10)
+        memory.kv_bytes_by_layer("gemma-3-1b", 10, dtype="fp16")
     with pytest.raises(ValueError, match="seq_len must be a positive int"):
-        memory.table(["gemma-3-1b"], seq_len=0)
+        memory.table(["gemma-3-1b"], seq_len=0, dtype="fp16")

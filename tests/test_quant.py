@@ -25,7 +25,7 @@ def scale_bound(q, x, dim, group_size):
 @settings(max_examples=80, deadline=None)
 @given(bits=st.sampled_from([2, 4, 8]), dim=st.sampled_from([-1, -2]), symmetric=st.booleans(),
        grouped=st.booleans(), T=st.sampled_from([4, 8, 16]), D=st.sampled_from([8, 16]),
-       magnitude=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 10_000))
+       magnitude=st.sampled_from([1e-3, 1.0, 50.0, 1e5]), seed=st.integers(0, 10_000))
 def test_round_trip_error_is_at_most_half_a_scale(bits, dim, symmetric, grouped, T, D, magnitude, seed):
     x = torch.randn(2, 3, T, D, generator=torch.Generator().manual_seed(seed)) * magnitude
     gs = (4 if grouped else None)
@@ -35,6 +35,32 @@ def test_round_trip_error_is_at_most_half_a_scale(bits, dim, symmetric, grouped,
     # |x - x̂| <= s/2, up to float32 rounding of the dequantization itself
     assert (err <= bound * (1 + 1e-5) + 1e-6 * magnitude).all(), float((err - bound).max())
     assert q.dequantize().shape == x.shape and q.dequantize().dtype == x.dtype
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_numbers_past_fp16s_range_keep_fp32_scales_never_nan(bits, symmetric):
+    """Scales and minimums were rounded to fp16, which overflows past 65,504: 1e5 dequantized to NaN.
+    Now they stay fp32 where fp16 cannot hold them, and the s/2 bound holds."""
+    x = torch.tensor([[1e5, -1e5, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    q = quantize(x, bits, symmetric=symmetric)
+    got = q.dequantize()
+    assert got.isfinite().all(), got
+    assert ((got - x).abs() <= q.scale.float() / 2 * (1 + 1e-5) + 0.1).all()  # (2, 1) scales: one per row
+    overflows = not symmetric or 1e5 / (2 ** (bits - 1) - 1) > 65504  # the minimum, or the scale itself
+    assert q.scale.dtype == (torch.float32 if overflows else torch.float16)
+    per_group = (4 if overflows else 2) * (1 if symmetric else 2)  # a scale, and a minimum if asymmetric
+    assert q.nbytes == q.codes.nbytes + q.scale.numel() * per_group  # nbytes counts the wider scales
+    small = quantize(x / 1e4, bits, symmetric=symmetric)  # within fp16's range: fp16, as before
+    assert small.scale.dtype == torch.float16
+
+
+def test_a_quantized_cache_holds_activations_past_fp16s_range():
+    cache = QuantizedCache(1, bits=2, residual=0, block=4)
+    k = torch.randn(1, 2, 8, 8) * 1e5  # (B, H, T, D)
+    keys, values = cache.update(k, k.clone(), 0)
+    assert keys.isfinite().all() and values.isfinite().all()
+    assert (keys - k).abs().max() < (k.abs().max() * 2)  # 2 bits: coarse, but numbers, not NaN
 
 
 def test_a_constant_group_is_exact():
@@ -164,6 +190,10 @@ def test_bad_quantize_input():
         quantize(x, 2, group_size=6)
     with pytest.raises(TypeError, match="floating-point"):
         quantize(torch.ones(2, 2, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match=r"finite numbers; x \(2, 2\) holds inf or NaN"):
+        quantize(torch.tensor([[1.0, float("inf")], [float("nan"), 0.0]]), 8)
+    with pytest.raises(ValueError, match="overflows fp32"):
+        quantize(torch.tensor([3e38, -3e38]), 8)
     with pytest.raises(ValueError, match="multiple of 2 to pack"):
         pack_codes(torch.zeros(1, 3, dtype=torch.uint8), 4)
     cache = QuantizedCache(1, 4, group_size=3, key_dim="token", block=2)

@@ -88,7 +88,7 @@ def transfer_time(nbytes: int, link: Link, lanes: int = 1) -> float:
     Example
 
     >>> from kvlib.distributed import cluster
-    >>> nbytes = kvlib.memory.kv_cache_bytes(kvlib.PRESETS["llama-3-8b"], 8192)  # 1 GiB in fp16
+    >>> nbytes = kvlib.memory.kv_cache_bytes(kvlib.PRESETS["llama-3-8b"], 8192, dtype="fp16")  # 1 GiB
     >>> round(cluster.transfer_time(nbytes, cluster.INFINIBAND_NDR) * 1e3, 1)  # ms at 50 GB/s
     21.5
     >>> round(cluster.transfer_time(nbytes, cluster.NVME_SSD, lanes=4) * 1e3, 1)  # four drives at 7 GB/s
@@ -130,7 +130,7 @@ def kv_head_replicas(n_kv_head: int, tp: int) -> int:
 
 
 def shard_bytes(config: ModelConfig, seq_len: int, tp: int, batch: int = 1,
-                dtype: str | int = memory.DEFAULT_DTYPE) -> int:
+                dtype: memory.DType = None) -> int:
     """Cache bytes one rank holds at tensor-parallel size ``tp`` (and sends, in disaggregation).
 
     A layer of K/V heads keeps `kv_heads_per_rank` of its ``n_kv_head`` heads on each rank. An MLA
@@ -138,6 +138,7 @@ def shard_bytes(config: ModelConfig, seq_len: int, tp: int, batch: int = 1,
     every rank keeps all of it, and its per-rank bytes do not shrink with ``tp``. That is why
     SGLang and vLLM run DeepSeek's attention data-parallel (each request's latent on one rank)
     instead of tensor-parallel. Query heads must divide too (``n_head % tp == 0``), as in vLLM.
+    ``dtype`` is `kvlib.memory`'s (default: a kvlib model's fp32; a served model's is ``"bf16"``).
     """
     memory.check_config(config)
     positive_int("tp", tp)

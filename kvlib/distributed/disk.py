@@ -27,7 +27,11 @@ is whole and is the chunk asked for, so the store
   candidate, so a collision or a file copied to the wrong name is a miss;
 * evicts least-recently-used chunks under a byte budget shared by every process that
   opens the directory: a hit touches the file's mtime, and a writer deletes the oldest
-  files until the new chunk fits.
+  files until the new chunk fits;
+* keys every chunk by the *kind* of cache that made it (`kvlib.distributed.cachekind`):
+  exact, or lossy with its settings. A 2-bit quantized cache's K/V are not an exact
+  model's, so they are stored apart and served only to requests that run the same cache;
+  a cache that evicts tokens holds no whole prefix and is refused.
 
 Shapes: a chunk file holds ``keys`` and ``values``, each ``(n_layer, H_kv, chunk_tokens, D)``;
 a lookup returns per-layer ``(1, H_kv, n, D)`` tensors, batch 1, as a `kvlib.cache.Cache`
@@ -38,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import time
@@ -50,6 +53,7 @@ import torch
 
 from ..cache import Cache
 from ..validate import an_int, int_at_least, positive_int
+from .cachekind import EXACT, MAX_KIND_CHARS, check_kind, chunk_key, fingerprint, resolve_kind
 from .chunkfile import SUFFIX, StoreError, decode, encode, temp_writer, write_temp
 from .launch import alive
 
@@ -57,20 +61,6 @@ try:  # POSIX: one writer at a time makes room and renames, so the budget holds 
     import fcntl
 except ImportError:  # Windows: no lock, and the budget may be overshot by racing writers
     fcntl = None
-
-
-def fingerprint(model_id: str, n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> str:
-    """What must be equal for two K/V to be interchangeable: the weights and the cache's shape."""
-    return f"{model_id}|layers={n_layer}|kv_heads={n_kv_head}|head_dim={head_dim}|dtype={dtype}"
-
-
-def chunk_key(parent: str | None, fp: str, tokens: Sequence[int]) -> str:
-    """``key_i = sha256(key_{i-1}, fingerprint, tokens of chunk i)``, as 64 hex digits.
-
-    Chaining makes the key depend on every earlier token, because a chunk's K/V do: the same
-    256 tokens after another prefix hold other keys and values (attention mixed them in).
-    """
-    return hashlib.sha256(json.dumps([parent or "", fp, list(tokens)]).encode()).hexdigest()
 
 
 def token_list(tokens: object) -> list[int]:
@@ -93,16 +83,28 @@ def token_list(tokens: object) -> list[int]:
 
 @dataclass
 class Prefix:
-    """A lookup's answer: the first ``n_tokens`` tokens' K/V, per layer ``(1, H_kv, n_tokens, D)``."""
+    """A lookup's answer: the first ``n_tokens`` tokens' K/V, per layer ``(1, H_kv, n_tokens, D)``,
+    made by a cache of ``kind`` (`kvlib.distributed.cachekind`)."""
 
     n_tokens: int
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    kind: str = EXACT
 
-    def fill(self, cache: Cache) -> Cache:
-        """Append this prefix to an empty ``cache`` (any kvlib `Cache`) with ``update``; return it."""
+    def fill(self, cache: Cache, *, kind: str | None = None) -> Cache:
+        """Append this prefix to an empty ``cache`` with ``update``; return it. The cache must be of
+        the prefix's kind: lossy K/V never go into an exact cache, nor exact ones into a lossy cache
+        (whose later layers would have seen rounded K/V). A cache class that `cache_kind` does not
+        know takes an exact prefix, or the prefix of the ``kind`` you name for it."""
         if not isinstance(cache, Cache):
             raise TypeError(f"cache must be a kvlib Cache, got {type(cache).__name__}")
+        try:
+            kind = resolve_kind(cache, kind)
+        except TypeError:  # a cache class of your own: trusted with exact K/V, as any Cache's update is
+            kind = EXACT if self.kind == EXACT else f"a {type(cache).__name__}, of unknown kind"
+        if kind != self.kind:
+            raise ValueError(f"this prefix was made by a cache of kind {self.kind}; the cache to fill is of "
+                             f"kind {kind}: look the prefix up with kind=cache_kind(cache)")
         if cache.seq_len != 0:
             raise ValueError(f"a prefix fills an empty cache; this one holds {cache.seq_len} tokens")
         if self.keys and cache.n_layer != len(self.keys):
@@ -129,9 +131,13 @@ class DiskStore:
     model name for the same reason). ``chunk_tokens`` is the granularity of reuse: only
     whole chunks are stored and loaded. Several processes may open the same ``root``.
 
-    Errors: a budget below one chunk is a ``ValueError`` here; a write that fails (no space
-    left on the device) raises `StoreError` from ``put`` after removing its temp file; a
-    read that fails in any way is a miss, never an exception.
+    Chunks are stored under the kind of cache that made them (`kvlib.distributed.cachekind`): a
+    lookup for one kind never returns another's.
+
+    Errors: a budget below one chunk file (`chunk_file_bytes`: its tensors and its header) is a
+    ``ValueError`` here; a write that fails (no space left on the device) raises `StoreError`
+    from ``put`` after removing its temp file; a read that fails in any way is a miss, never
+    an exception.
 
     Example
 
@@ -164,11 +170,14 @@ class DiskStore:
         self.shape = (n_layer, n_kv_head, chunk_tokens, head_dim)  # of a chunk's keys, and of its values
         self.dtype, self.chunk_tokens, self.budget_bytes = dtype, chunk_tokens, budget_bytes
         self.chunk_bytes = 2 * n_layer * n_kv_head * chunk_tokens * head_dim * dtype.itemsize  # tensors only
-        if budget_bytes < self.chunk_bytes:
-            raise ValueError(f"budget_bytes={budget_bytes} cannot hold one chunk of {self.chunk_bytes} bytes "
-                             f"(2 x {n_layer} layers x {n_kv_head} heads x {chunk_tokens} tokens x {head_dim} "
-                             f"x {dtype.itemsize} bytes); raise the budget or lower chunk_tokens")
-        self.fingerprint = fingerprint(model_id, n_layer, n_kv_head, head_dim, dtype)
+        self._layout = (model_id, n_layer, n_kv_head, head_dim, dtype)
+        self.fingerprint = fingerprint(*self._layout)  # of exact K/V; a lossy cache's adds its kind
+        self.file_bytes = self.chunk_file_bytes()
+        if budget_bytes < self.file_bytes:
+            raise ValueError(f"budget_bytes={budget_bytes} cannot hold one chunk file of {self.file_bytes} bytes "
+                             f"({self.chunk_bytes} bytes of tensors, 2 x {n_layer} layers x {n_kv_head} heads x "
+                             f"{chunk_tokens} tokens x {head_dim} x {dtype.itemsize} bytes, and its header); "
+                             f"raise budget_bytes to at least {self.file_bytes} or lower chunk_tokens")
         if isinstance(stale_temp_s, bool) or not isinstance(stale_temp_s, (int, float)) or not stale_temp_s > 0:
             raise ValueError(f"stale_temp_s must be a positive number of seconds, got {stale_temp_s!r}")
         self.stale_temp_s = stale_temp_s
@@ -178,18 +187,36 @@ class DiskStore:
         self.sweep()
 
     @classmethod
-    def for_model(cls, root: str | os.PathLike, model, *, model_id: str, **kwargs) -> "DiskStore":
-        """A store shaped for ``model`` (a `kvlib.Transformer`): its layers, KV heads, head_dim, dtype."""
-        c = model.config
+    def for_model(cls, root: str | os.PathLike, model_or_config: object, *, model_id: str,
+                  dtype: torch.dtype | None = None, **kwargs) -> "DiskStore":
+        """A store shaped for ``model_or_config`` (a `kvlib.Transformer` or a `kvlib.ModelConfig`):
+        its layers, KV heads and head_dim, and ``dtype`` (default: the model's; a config's is fp32,
+        as a fresh `kvlib.Transformer`'s is). Other keywords go to the constructor."""
+        from ..cache import model_layout  # the one rule every for_model follows
+
+        c, dtype, _ = model_layout(model_or_config, dtype)
         return cls(root, model_id=model_id, n_layer=c.n_layer, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
-                   dtype=model.dtype, **kwargs)
+                   dtype=dtype, **kwargs)
+
+    def chunk_file_bytes(self, max_token_id: int = 2**31 - 1) -> int:
+        """Bytes of the largest chunk file this store writes for token ids up to ``max_token_id``:
+        its tensors (`chunk_bytes`) and its safetensors header (shapes, the fingerprint with the
+        longest kind kvlib names, the keys, the ids as JSON). The smallest budget that fits one."""
+        empty = torch.zeros(self.shape, dtype=self.dtype)
+        fp = fingerprint(*self._layout, "x" * MAX_KIND_CHARS)  # the longest kind there may be
+        return len(encode(empty, empty.clone(), fingerprint=fp, key="f" * 64, parent="f" * 64,
+                          tokens=json.dumps([max_token_id] * self.chunk_tokens)))
+
+    def _fingerprint(self, kind: str) -> str:
+        return fingerprint(*self._layout, check_kind(kind))
 
     # -- keys and files ---------------------------------------------------------------------------
-    def keys_for(self, tokens: object) -> list[str]:
-        """The chain of keys of ``tokens``' full chunks (a partial last chunk has none)."""
-        ids, ct, out, parent = token_list(tokens), self.chunk_tokens, [], None
+    def keys_for(self, tokens: object, kind: str = EXACT) -> list[str]:
+        """The chain of keys of ``tokens``' full chunks (a partial last chunk has none), made by a
+        cache of ``kind``."""
+        ids, ct, out, parent, fp = token_list(tokens), self.chunk_tokens, [], None, self._fingerprint(kind)
         for i in range(len(ids) // ct):
-            parent = chunk_key(parent, self.fingerprint, ids[i * ct : (i + 1) * ct])
+            parent = chunk_key(parent, fp, ids[i * ct : (i + 1) * ct])
             out.append(parent)
         return out
 
@@ -249,20 +276,24 @@ class DiskStore:
             total -= size
         return total + need <= self.budget_bytes
 
-    def put(self, tokens: object, kv: Cache | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> PutReport:
+    def put(self, tokens: object, kv: Cache | Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+            kind: str | None = None) -> PutReport:
         """Store every full chunk of ``tokens`` not stored yet, from ``kv``: a kvlib `Cache` or
         per-layer ``(k, v)`` pairs ``(1, H_kv, S, D)``, whose first ``len(tokens)`` positions
-        must be those tokens' keys and values. Raises `StoreError` if a write fails."""
-        ids = token_list(tokens)
+        must be those tokens' keys and values. Raises `StoreError` if a write fails.
+
+        ``kind`` is the kind of cache that made them: by default ``cache_kind(kv)`` for a `Cache`
+        (an evicting cache is a ``ValueError``) and ``"exact"`` for pairs."""
+        ids, made_by = token_list(tokens), resolve_kind(kv, kind)
         layers = self._layers(kv, len(ids))
-        report, keys, ct = PutReport(), self.keys_for(ids), self.chunk_tokens
+        report, keys, ct, fp = PutReport(), self.keys_for(ids, made_by), self.chunk_tokens, self._fingerprint(made_by)
         for i, key in enumerate(keys):
             if self.path(key).exists():
                 report.present += 1
                 continue
             k = torch.stack([lk[0, :, i * ct : (i + 1) * ct] for lk, _ in layers]).cpu().contiguous()  # (L, H, ct, D)
             v = torch.stack([lv[0, :, i * ct : (i + 1) * ct] for _, lv in layers]).cpu().contiguous()  # (L, H, ct, D)
-            data = encode(k, v, fingerprint=self.fingerprint, key=key, parent=keys[i - 1] if i else "",
+            data = encode(k, v, fingerprint=fp, key=key, parent=keys[i - 1] if i else "",
                           tokens=json.dumps(ids[i * ct : (i + 1) * ct]))
             try:
                 if len(data) > self.budget_bytes:
@@ -315,8 +346,10 @@ class DiskStore:
         return list(kv)
 
     # -- reading ----------------------------------------------------------------------------------
-    def _read(self, key: str, parent: str | None, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The chunk stored under ``key``, if it is whole and is exactly the one asked for; else None."""
+    def _read(self, key: str, parent: str | None, tokens: list[int],
+              fp: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The chunk stored under ``key``, if it is whole and is exactly the one asked for (made by
+        the weights and cache kind of fingerprint ``fp``); else None."""
         p = self.path(key)
         try:
             with open(p, "rb") as f:
@@ -325,7 +358,7 @@ class DiskStore:
             return None
         try:
             meta, k, v = decode(data)  # whole and unchanged, or ValueError
-            whole = (meta["fingerprint"] == self.fingerprint and meta["key"] == key
+            whole = (meta["fingerprint"] == fp and meta["key"] == key
                      and k.shape == v.shape == self.shape and k.dtype == v.dtype == self.dtype)
         except ValueError:
             whole = False
@@ -339,20 +372,22 @@ class DiskStore:
             return None  # a whole chunk, of another prefix: a hash collision, or a file under a wrong name
         return k, v
 
-    def lookup(self, tokens: object, *, max_tokens: int | None = None,
+    def lookup(self, tokens: object, *, kind: str = EXACT, max_tokens: int | None = None,
                device: torch.device | str | None = None) -> Prefix:
-        """The longest stored prefix of ``tokens`` in whole chunks (at most ``max_tokens`` tokens).
+        """The longest stored prefix of ``tokens`` in whole chunks (at most ``max_tokens`` tokens),
+        made by a cache of ``kind`` (default ``"exact"``; pass ``cache_kind(cache)`` for the cache
+        you will fill).
 
         Each chunk is read, its checksum, tokens and parent checked; the first that fails
         ends the prefix. Never raises for what is on disk: a damaged file is a miss.
         """
-        ids = token_list(tokens)
-        keys = self.keys_for(ids)
+        ids, fp = token_list(tokens), self._fingerprint(kind)
+        keys = self.keys_for(ids, kind)
         if max_tokens is not None:
             keys = keys[: int_at_least("max_tokens", max_tokens, 0) // self.chunk_tokens]
         ks, vs, ct = [], [], self.chunk_tokens
         for i, key in enumerate(keys):
-            got = self._read(key, keys[i - 1] if i else None, ids[i * ct : (i + 1) * ct])
+            got = self._read(key, keys[i - 1] if i else None, ids[i * ct : (i + 1) * ct], fp)
             if got is None:
                 self.misses += 1
                 break
@@ -360,12 +395,12 @@ class DiskStore:
             ks.append(got[0])
             vs.append(got[1])
         if not ks:
-            return Prefix(0)
+            return Prefix(0, kind=kind)
         self._touch(keys[: len(ks)])
         k = torch.cat(ks, dim=2).to(device or "cpu")  # (L, H, n, D)
         v = torch.cat(vs, dim=2).to(device or "cpu")
         return Prefix(len(ks) * ct, [k[layer][None] for layer in range(len(k))],  # L x (1, H, n, D)
-                      [v[layer][None] for layer in range(len(v))])
+                      [v[layer][None] for layer in range(len(v))], kind)
 
     # -- housekeeping -----------------------------------------------------------------------------
     def sweep(self, max_age_s: float | None = None) -> int:

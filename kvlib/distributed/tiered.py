@@ -29,6 +29,7 @@ from ..cache import Cache, StaticCache
 from ..model import Transformer
 from ..timing import timeit
 from ..validate import positive_int
+from .cachekind import resolve_kind
 from .disk import DiskStore, StoreError, token_list
 
 
@@ -36,7 +37,8 @@ from .disk import DiskStore, StoreError, token_list
 class Served:
     """What `prefill` did: the next-token ``logits`` ``(1, vocab)``, the filled ``cache``,
     how many tokens were ``loaded`` from the store and ``computed`` by the model, how
-    many new chunks were ``stored``, and why storing failed (``store_error``, else None)."""
+    many new chunks were ``stored``, why storing failed (``store_error``, else None), and the
+    ``kind`` of cache the prefix was looked up and stored under (`kvlib.distributed.cachekind`)."""
 
     logits: torch.Tensor
     cache: Cache
@@ -44,6 +46,7 @@ class Served:
     computed: int
     stored: int
     store_error: str | None = None
+    kind: str = "exact"
 
 
 def _check_pair(model: Transformer, store: DiskStore) -> None:
@@ -60,13 +63,20 @@ def _check_pair(model: Transformer, store: DiskStore) -> None:
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, tokens: object, store: DiskStore, cache: Cache | None = None) -> Served:
+def prefill(model: Transformer, tokens: object, store: DiskStore, cache: Cache | None = None, *,
+            kind: str | None = None) -> Served:
     """Prefill ``tokens`` (one sequence: a list of ids or a ``(T,)``/``(1, T)`` tensor) through ``store``.
 
     Loads the longest stored prefix into ``cache`` (default: a growing `StaticCache`), runs
     ``model`` on the rest, then stores the prompt's new full chunks. At least the last token
     is always computed, since its logits are the answer. A store that cannot write (disk
     full) does not fail the request: the error is reported in ``store_error``.
+
+    Prefixes are looked up and stored under the cache's kind (``cache_kind(cache)``), so a
+    quantized cache's K/V are served only to requests that run the same quantized cache, and an
+    exact request gets exact K/V or recomputes them. A cache that evicts tokens (a window, sinks,
+    H2O) holds no whole prefix: a ``ValueError``. For a cache class of your own, pass ``kind``
+    (``"exact"`` if it returns what it was given).
     """
     _check_pair(model, store)
     ids = token_list(tokens)
@@ -76,15 +86,16 @@ def prefill(model: Transformer, tokens: object, store: DiskStore, cache: Cache |
         cache = StaticCache.for_model(model.config, 1, len(ids), dtype=model.dtype, device=model.device, grow=True)
     if not isinstance(cache, Cache) or cache.seq_len != 0:
         raise ValueError(f"cache must be an empty kvlib Cache, got {cache!r}")
-    prefix = store.lookup(ids, max_tokens=len(ids) - 1, device=model.device)
-    prefix.fill(cache)
+    kind = resolve_kind(cache, kind)  # before any work: an evicting cache is refused here
+    prefix = store.lookup(ids, kind=kind, max_tokens=len(ids) - 1, device=model.device)
+    prefix.fill(cache, kind=kind)
     rest = torch.tensor(ids[prefix.n_tokens :], device=model.device)[None]  # (1, T - loaded)
     logits = model(rest, cache, last_only=True)[:, -1]  # (1, vocab)
     try:
-        stored, error = store.put(ids, cache).written, None
+        stored, error = store.put(ids, cache, kind=kind).written, None
     except StoreError as e:
         stored, error = e.report.written if e.report else 0, str(e)
-    return Served(logits, cache, prefix.n_tokens, rest.shape[1], stored, error)
+    return Served(logits, cache, prefix.n_tokens, rest.shape[1], stored, error, kind)
 
 
 def _drop_page_cache(paths: Sequence[os.PathLike]) -> None:
