@@ -70,9 +70,9 @@ floors:
 
 # kvlib at the torch floor pyproject.toml declares (torch>=2.5; the venv .venv-floors-torch): CI's floors run above
 # uses torch 2.13.0, the local CPU wheel, since PyPI serves older torch only as its CUDA build (about 2.8 GB to
-# download, kept in ~/.cache/kvlib-floors-torch; 5.7 GB installed). It runs the fast tests and two reader editions
+# download, kept in ~/.cache/kvlib-floors-torch; 5.8 GB installed). It runs the fast tests and two reader editions
 # and ends with a line saying what passed. Not in .ci/run: CI uses about 42 of its 45 minutes (.ci/budgets.tsv), and
-# this takes about 5 more on a new machine (2.5 with the wheels kept). Run it by hand before a release or after
+# this takes about 6 more on a new machine (4 with the venv kept). Run it by hand before a release or after
 # kvlib starts calling a newer torch API.
 floors-torch:
 	./scripts/floors_torch.sh .venv-floors-torch

@@ -7,8 +7,8 @@
 #
 # Why apart from CI: CI's floors run (.ci/run, .venv-floors) uses torch 2.13.0, the CPU wheel on the project's
 # machines, because it is local and fits CI's budget. PyPI serves every older torch too, but only as its CUDA
-# build (it runs on a CPU): torch 2.5.0 and its nvidia-* wheels are about 2.8 GB to download and 5.7 GB
-# installed, and about 5 minutes in all that CI's 45 (.ci/budgets.tsv, about 42 used) do not have. So this is
+# build (it runs on a CPU): torch 2.5.0 and its nvidia-* wheels are about 2.8 GB to download and 5.8 GB
+# installed, and about 6 minutes in all that CI's 45 (.ci/budgets.tsv, about 42 used) do not have. So this is
 # `make floors-torch`, run by hand before a release or after kvlib starts calling a newer torch API.
 #
 # Usage: scripts/floors_torch.sh [VENV]   (default .venv-floors-torch, gitignored; delete it when done)
@@ -29,11 +29,12 @@ fi
 torch_version="${KVLIB_FLOORS_TORCH:-$floor}"  # torch==2.5 is 2.5.0: pip pads a version with zeros
 wheels="${KVLIB_FLOORS_TORCH_WHEELS:-$HOME/.cache/kvlib-floors-torch/wheels}"
 read -ra notebooks <<< "${KVLIB_FLOORS_TORCH_NOTEBOOKS:-reader/ch01_naive.ipynb reader/ch03_where_cache_lives.ipynb}"
-# kvlib's fast tests: the files CI's portable run takes (.ci/run), and the ones that use the newest torch features
-# kvlib calls: float8 (quant), SDPA's GQA and the decode kernels (gqa, kernels).
+# kvlib's fast tests: the files CI's portable run takes (.ci/run), and the ones that use the torch features that
+# changed most since 2.5: float8 (quant), SDPA's GQA and FlopCounterMode (gqa), the decode kernels (kernels) and
+# the int4 CPU kernel (wquant).
 fast_tests=(tests/test_cache.py tests/test_attention.py tests/test_model.py tests/test_generate.py tests/test_hf.py
   tests/test_config.py tests/test_cost.py tests/test_requires.py tests/test_pretrained.py
-  tests/test_quant.py tests/test_gqa.py tests/test_kernels.py)
+  tests/test_quant.py tests/test_gqa.py tests/test_kernels.py tests/test_wquant.py)
 
 start=$SECONDS
 echo "== floors-torch: torch==$torch_version (pyproject.toml declares torch>=$floor) in $venv =="
