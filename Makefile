@@ -2,7 +2,7 @@
 # `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup ready vllm-ready kvpress-ready book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck floors
+.PHONY: setup ready vllm-ready kvpress-ready book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck floors floors-torch
 
 # The chapters use every core, and `make test` runs two notebooks at once: more OpenMP threads than cores. Spinning
 # threads then wait on each other (a 0.15 s forward took 1-2 s on a loaded 2-core machine); passive waits change no
@@ -67,6 +67,15 @@ presscheck: ready kvpress-ready
 # where CI runs the reader editions as readers' machines do (.ci/run, scripts/portable_run.sh).
 floors:
 	./scripts/floors_env.sh .venv-floors
+
+# kvlib at the torch floor pyproject.toml declares (torch>=2.5; the venv .venv-floors-torch): CI's floors run above
+# uses torch 2.13.0, the local CPU wheel, since PyPI serves older torch only as its CUDA build (about 2.8 GB to
+# download, kept in ~/.cache/kvlib-floors-torch; 5.8 GB installed). It runs the fast tests and two reader editions
+# and ends with a line saying what passed. Not in .ci/run: CI uses about 42 of its 45 minutes (.ci/budgets.tsv), and
+# this takes about 6 more on a new machine (4 with the venv kept). Run it by hand before a release or after
+# kvlib starts calling a newer torch API.
+floors-torch:
+	./scripts/floors_torch.sh .venv-floors-torch
 
 # The book build executes every chapter, and a failing cell fails it (-W), so `make test` runs the test suite
 # without executing the chapters a second time. `make nbval` runs them under nbval; CI does that once more, as

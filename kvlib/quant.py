@@ -391,7 +391,10 @@ class FP8Cache(Cache):
             new = quantize_fp8(x, self.scale, per_head=self.per_head)  # new storage: data and scale
             self.count_written(new)
             return new
-        data = torch.cat([old.data, quantize_fp8(x, old.scale).data], dim=2)  # the frozen scale; a full copy
+        codes = quantize_fp8(x, old.scale).data  # the frozen scale
+        # Joined as bytes, a full copy: torch 2.5 (kvlib's floor) has no CPU cat for float8 ("cat_serial_kernel"
+        # not implemented for 'Float8_e4m3fn'), and a view to uint8 and back moves no data on any torch.
+        data = torch.cat([old.data.view(torch.uint8), codes.view(torch.uint8)], dim=2).view(FP8)  # (B, H, S + T, D)
         self.count_written(data)
         return FP8Tensor(data, old.scale, old.dtype)
 

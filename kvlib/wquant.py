@@ -157,6 +157,27 @@ class Int8Linear(nn.Module):
         return f"in_features={K}, out_features={N}, w_int8=({N}, {K}) int8, scales=({N},) {self.scales.dtype}"
 
 
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes ``q`` ``(out, in)`` uint8 in ``[0, 15]`` packed for torch's CPU int4 kernel, two a byte.
+
+    Newer torch (2.13 here) has CPU forms of the ops (``*_for_cpu``) that take the codes one
+    per int32; torch 2.5, kvlib's floor, has only the shared ops, which on a CPU take them
+    already paired (high nibble first) and tiled 2 x 16 inputs at a time (``innerKTiles=2``).
+    """
+    aten = torch.ops.aten
+    if hasattr(aten, "_convert_weight_to_int4pack_for_cpu"):
+        return aten._convert_weight_to_int4pack_for_cpu(q.int().cpu(), 1)  # (out, in / 2) uint8
+    q = q.cpu()
+    return aten._convert_weight_to_int4pack(q[:, ::2] << 4 | q[:, 1::2], 2)  # (out / 8, in / 32, 32, 1) int32
+
+
+def _int4_mm(x2: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
+    """``x2 @ ŵ`` by torch's CPU int4 kernel: ``(M, in)`` rows, weights packed by `_pack_int4`."""
+    aten = torch.ops.aten
+    mm = getattr(aten, "_weight_int4pack_mm_for_cpu", None) or aten._weight_int4pack_mm  # torch 2.5: the shared op
+    return mm(x2, packed, group_size, sz)  # (M, out)
+
+
 class Int4Linear(nn.Module):
     """A `Linear` stored in 4 bits: torch's CPU int4 kernel layout, two codes a byte.
 
@@ -172,7 +193,7 @@ class Int4Linear(nn.Module):
         K, N = weight.shape
         if N % 16:
             raise ValueError(f"out_features={N} of weight {tuple(weight.shape)} is not a multiple of 16 (int4 packing)")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int().cpu(), 1)  # (out, in / 2) uint8
+        packed = _pack_int4(q)  # N * K / 2 bytes, in the kernel's own layout
         self.register_buffer("packed", packed.to(weight.device))
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # (in / group_size, out, 2)
         self.in_features, self.out_features, self.group_size = K, N, group_size
@@ -186,7 +207,7 @@ class Int4Linear(nn.Module):
             raise RuntimeError(f"Int4Linear runs on the CPU only (torch's CPU int4 kernel), got x on {x.device}")
         x2 = x.reshape(-1, self.in_features).contiguous()  # (M, in)
         sz = self.scales_and_zeros.to(x.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, sz)  # (M, out)
+        y = _int4_mm(x2, self.packed, self.group_size, sz)  # (M, out)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

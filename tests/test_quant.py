@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import kvlib
 from kvlib.check import check_cache
+from kvlib.book.requires import missing
 from kvlib.hf import HFQuantizedCache
 from kvlib.quant import (
     FP8, FP8_MAX, CastCache, FP8Cache, QuantizedCache, fp8_scale, pack_codes, quantize,
@@ -279,6 +280,31 @@ def test_fp8_cache_nbytes_crop_and_saturation():
     assert cache.seq_len == 0 and cache.layer_kv(0) is None and cache.nbytes == 0
 
 
+def test_fp8_cache_appends_without_a_float8_cat(monkeypatch):
+    """torch 2.5, kvlib's floor, has no CPU ``cat`` for float8, so FP8Cache joins its codes as bytes. Here
+    ``torch.cat`` refuses float8 as 2.5's does, on any torch: a second update must still store and return
+    exactly the codes one quantization of the whole sequence gives."""
+    real_cat = torch.cat
+
+    def cat_without_float8(tensors, *args, **kwargs):
+        if any(t.dtype == FP8 for t in tensors):
+            raise RuntimeError("\"cat_serial_kernel\" not implemented for 'Float8_e4m3fn'")  # torch 2.5's words
+        return real_cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", cat_without_float8)
+    k, v = kv(7, H=3, D=8)
+    for per_head in (False, True):
+        cache = FP8Cache(2, per_head=per_head)
+        for layer in range(2):
+            cache.update(k[:, :, :4], v[:, :, :4], layer)  # the prompt: calibrates and freezes the scales
+            keys, values = cache.update(k[:, :, 4:], v[:, :, 4:], layer)  # a later update: an append
+            for got, x, held in ((keys, k, cache.keys[layer]), (values, v, cache.values[layer])):
+                assert held.data.dtype == FP8 and held.data.shape == (1, 3, 7, 8)
+                torch.testing.assert_close(got, quantize_fp8(x, held.scale).dequantize(), rtol=0, atol=0)
+        cache.crop(5)
+        assert cache.get_seq_length(1) == 5 and cache.keys[1].data.dtype == FP8
+
+
 def test_fp8_cache_equals_hugging_face_fp8_layer():
     """The reference implementation: transformers' QuantizedCache(backend="fp8") layer, fed the same updates.
     HF returns the first update's inputs unrounded; every later update returns identical numbers."""
@@ -301,6 +327,9 @@ def test_fp8_cache_equals_hugging_face_fp8_layer():
 
 def test_hf_quantized_cache_runs_a_kvlib_model():
     pytest.importorskip("transformers")
+    lacking = missing("transformers>=5.21")
+    if lacking:  # the dependency floors' 4.56: QuantizedCache has no "fp8" backend there
+        pytest.skip(f"HFQuantizedCache(backend='fp8') needs {lacking[0]}: Fp8QuantizedLayer first appears in 5.21.0")
     model = kvlib.Transformer(kvlib.PRESETS["tiny"])
     model.reset_parameters(seed=2, std=0.2)
     tokens = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
