@@ -364,8 +364,12 @@ def check_cache(make: Factory, *, verbose: bool = False, not_applicable: dict[st
     >>> len(names)
     11
     """
+    want = "a factory function make(n_layer, batch, n_kv_head, head_dim, dtype) -> Cache"
+    if isinstance(make, type):
+        raise TypeError(f"check_cache takes {want}, got the class {make.__name__} itself: wrap it, e.g. "
+                        f"check_cache(lambda n_layer, batch, n_kv_head, head_dim, dtype: {make.__name__}(n_layer))")
     if not callable(make):
-        raise TypeError(f"check_cache takes a factory function, got {type(make).__name__}")
+        raise TypeError(f"check_cache takes {want}, got {type(make).__name__}")
     names = {property_name(prop): prop for prop in PROPERTIES}
     skip = dict(not_applicable or {})
     unknown = sorted(set(skip) - set(names))

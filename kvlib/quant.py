@@ -418,7 +418,10 @@ class FP8Cache(Cache):
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 if t is not None:
-                    store[i] = FP8Tensor(t.data[:, :, :keep], t.scale, t.dtype)  # the scales stay
+                    # a copy (through its bytes: torch 2.5 copies float8 only that way), not a view of the old data
+                    data = t.data[:, :, :keep].view(torch.uint8).clone().view(t.data.dtype)
+                    self.count_written(data)
+                    store[i] = FP8Tensor(data, t.scale, t.dtype)  # the scales stay
 
     def layer_kv(self, layer_idx):
         if self.keys[layer_idx] is None or self.get_seq_length(layer_idx) == 0:
