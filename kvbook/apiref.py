@@ -50,7 +50,7 @@ KVLIB_GROUPS = [
      "prompts of different lengths in one batch"),
     ("sharing", "Sharing and quantizing the cache", ["ch07_sharing_kv", "ch07b_layer_shapes",
                                                       "ch08_quantization"],
-     ["kvlib.gqa", "kvlib.mla", "kvlib.layers", "kvlib.hybrid", "kvlib.quant", "kvlib.wquant"],
+     ["kvlib.gqa", "kvlib.mla", "kvlib.layers", "kvlib.hybrid", "kvlib.quant", "kvlib.fp8", "kvlib.wquant"],
      "fewer KV heads, latent caches, layers that keep less, and fewer bits per number"),
     ("paging", "Paging and the engine", ["ch09_paging", "ch09b_serving_blocks", "ch12b_prefix_reuse",
                                           "ch12c_engines"],

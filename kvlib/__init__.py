@@ -46,7 +46,7 @@ _LAZY_NAMES = {
 _SUBMODULES = (
     "chat", "check", "cost", "data", "distributed", "engine", "evaluate", "evict", "gqa",
     "hardware", "hf", "invariant", "kernels", "layers", "memory", "mla", "needle", "numerics", "packed", "paged",
-    "press", "pretrained", "quant", "radix",
+    "fp8", "press", "pretrained", "quant", "radix",
     "scheduler",
     "simulate", "speculative", "timing", "validate", "wquant",
 )

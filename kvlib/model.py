@@ -1,19 +1,16 @@
 """A Llama-style decoder with one forward path for every way of running it.
 
-``model(tokens)`` recomputes everything (the naive loop). ``model(tokens,
-cache=c)`` on an empty cache is a *prefill*; the same call with one new token
-per sequence is a *decode step*. Positions default to "right after what the
-cache holds", so the three cases share every line below.
+``model(tokens)`` recomputes everything (the naive loop). ``model(tokens, cache=c)`` on an empty cache is a
+*prefill*; the same call with one new token per sequence is a *decode step*. Positions default to "right after what
+the cache holds", so the three cases share every line below.
 
-Blocks are pre-norm: RMSNorm -> attention (RoPE on q and k, GQA via
-``n_kv_head``) -> residual, RMSNorm -> SwiGLU MLP -> residual.
+Blocks are pre-norm: RMSNorm -> attention (RoPE on q and k, GQA via ``n_kv_head``) -> residual, RMSNorm -> SwiGLU
+MLP -> residual.
 
-The parts are public, so that a reader can wire a layer by hand and compare it with the
-model's own (chapter 2 does): `Transformer` has ``embed``, ``layers``, ``norm`` and
-``lm_head``; each `Block` has ``attn_norm``, ``attn``, ``mlp_norm`` and ``mlp``; each
-`Attention` has ``wqkv``, ``wo`` and ``layer``; `rope_cos_sin` and `apply_rope` rotate
-(they live in the leaf module `kvlib.rope`, and are importable from here too).
-Their docstrings give the shapes.
+The parts are public, so that a reader can wire a layer by hand and compare it with the model's own (chapter 2
+does): `Transformer` has ``embed``, ``layers``, ``norm`` and ``lm_head``; each `Block` has ``attn_norm``, ``attn``,
+``mlp_norm`` and ``mlp``; each `Attention` has ``wqkv``, ``wo`` and ``layer``; `rope_cos_sin` and `apply_rope`
+rotate (from the leaf module `kvlib.rope`, importable from here too). Their docstrings give the shapes.
 """
 
 from __future__ import annotations
@@ -284,17 +281,14 @@ class Transformer(nn.Module):
         at = None if logits_at is None else positions_to_score(logits_at, T, tokens.device)
         if at is not None and logits_to_keep:
             raise ValueError(f"pass logits_at or last_only/logits_to_keep, not both (logits_to_keep={logits_to_keep})")
-        # Two lengths (see kvlib.cache.protocol): the keys this step attends to after the held ones, and
-        # the positions it takes, which count every token seen (an evicting cache holds fewer).
-        held = 0 if cache is None else cache.tokens_held
-        # One past the largest position of this step; a packed paged batch (many sequences in a row) names
-        # its `longest` sequence, which is what must fit.
-        longest = getattr(cache, "longest", None)
+        # Keys attended to come after the `held` ones; positions count every token seen (kvlib.cache.protocol).
+        # `end` is one past this step's largest position (a packed paged batch: its `longest` sequence).
+        held, longest = (0, None) if cache is None else (cache.tokens_held, getattr(cache, "longest", None))
         end = (T if cache is None else cache.position_end(T)) if longest is None else longest
         if end > self.config.max_seq_len:
             raise ValueError(f"{end - T} tokens seen + {T} new tokens exceeds max_seq_len={self.config.max_seq_len}"
-                             if longest is None else
-                             f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
+                             if longest is None else f"a sequence of {longest} tokens exceeds max_seq_len="
+                             f"{self.config.max_seq_len}")
         positions = self._positions(tokens, cache, positions)
         mask = self._mask(tokens, cache, held, key_valid, mask)
 

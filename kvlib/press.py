@@ -1,32 +1,28 @@
 """Prompt compression as NVIDIA's kvpress does it: score every prompt token once, keep the best.
 
-Chapter 10's caches stream: they evict as they read, so a prompt's own keys and values are
-computed under a budget. A *press* reads the whole prompt first (a normal prefill, full
-attention), then, in every layer and for every KV head, scores each prompt token and keeps the
-``int(S * (1 - compression_ratio))`` best. Decoding then appends to what was kept and evicts
-nothing more. The presses differ only in the score (``(B, H_kv, S)``, higher = keep):
+Chapter 10's caches stream: they evict as they read, so a prompt's own keys and values are computed under a budget.
+A *press* reads the whole prompt first (a normal prefill, full attention), then, in every layer and for every KV
+head, scores each prompt token and keeps the ``int(S * (1 - compression_ratio))`` best. Decoding then appends to
+what was kept and evicts nothing more. The presses differ only in the score (``(B, H_kv, S)``, higher = keep):
 
-* `SnapKVPress` (Li et al., 2024): the attention that the last ``window_size`` prompt queries
-  pay each earlier key, averaged over those queries, smoothed along the text by an average
-  pool of ``kernel_size``, and averaged over the query heads that share a KV head. The window
-  itself is always kept.
-* `PyramidKVPress` (Cai et al., 2024): SnapKV's scores, with a budget per layer falling
-  linearly from the first layer to the last (`PyramidKVPress.n_kept`).
-* `TOVAPress` (Oren et al., 2024): the attention of the last prompt query alone, averaged over
-  *all* query heads, so every KV head keeps the same tokens.
-* `ExpectedAttentionPress` (kvpress's authors, 2025): the attention that *future* queries
-  should pay, from a Gaussian fitted to the prompt's queries (before RoPE), rotated to the
-  average of the next ``n_future_positions`` positions, times each value's norm.
+* `SnapKVPress` (Li et al., 2024): the attention that the last ``window_size`` prompt queries pay each earlier key,
+  averaged over those queries, smoothed along the text by an average pool of ``kernel_size``, and averaged over the
+  query heads that share a KV head. The window itself is always kept.
+* `PyramidKVPress` (Cai et al., 2024): SnapKV's scores, with a budget per layer falling linearly from the first
+  layer to the last (`PyramidKVPress.n_kept`).
+* `TOVAPress` (Oren et al., 2024): the attention of the last prompt query alone, averaged over *all* query heads, so
+  every KV head keeps the same tokens.
+* `ExpectedAttentionPress` (kvpress's authors, 2025): the attention that *future* queries should pay, from a
+  Gaussian fitted to the prompt's queries (before RoPE), rotated to the average of the next ``n_future_positions``
+  positions, times each value's norm.
 * `StreamingLLMPress`: the first ``n_sink`` tokens and the most recent ones, as a press.
 
-Every definition and default follows kvpress 0.5.5 (``kvpress/presses/*_press.py``); the
-one choice of ours is the tie-break: equal scores keep the older token (kvpress's ``topk``
-leaves ties unspecified). Scores take the prompt's queries *after* RoPE, at positions
-``0 .. S-1``, as the attention kernel saw them; kvpress projects the hidden states again.
+Every definition and default follows kvpress 0.5.5 (``kvpress/presses/*_press.py``); the one choice of ours is the
+tie-break: equal scores keep the older token (kvpress's ``topk`` leaves ties unspecified). Scores take the prompt's
+queries *after* RoPE, at positions ``0 .. S-1``, as the attention kernel saw them (kvpress projects them again).
 
-`PressCache` holds the compressed cache and `prefill` fills one: it runs the prompt with the
-cache's own attention function, which computes the step exactly as the model's default kernel
-would and then compresses that layer, as kvpress's forward hook does after each attention.
+`PressCache` holds the compressed cache; `prefill` runs the prompt with the cache's own attention, which computes
+the step as the model's default kernel would, then compresses that layer (as kvpress's forward hook does).
 """
 
 from __future__ import annotations
@@ -289,15 +285,13 @@ def keep_top(scores: torch.Tensor, n_kept: int) -> torch.Tensor:
 class PressCache(_Budgeted):
     """A cache compressed once, right after its prefill, by a press; decoding appends without eviction.
 
-    The first update of an empty layer is its prefill. The cache's `attention` (which
-    `prefill` installs with ``model.set_attention_impl``) computes that step exactly as the
-    model's default kernel would, then scores the layer's prompt with the press and keeps the
-    top `n_kept` tokens per KV head. Later updates append. Positions stay absolute, and
-    `kept_positions` gives each layer's held positions ``(B, H_kv, n)``, ascending.
+    The first update of an empty layer is its prefill. The cache's `attention` (which `prefill` installs with
+    ``model.set_attention_impl``) computes that step exactly as the model's default kernel would, then scores the
+    layer's prompt with the press and keeps the top `n_kept` tokens per KV head. Later updates append. Positions
+    stay absolute, and `kept_positions` gives each layer's held positions ``(B, H_kv, n)``, ascending.
 
-    With ``compression_ratio=0`` nothing is scored or evicted and the cache behaves as a
-    `kvlib.DynamicCache`. Otherwise a prefilled layer whose attention did not run here cannot
-    be compressed, and its next update raises ``ValueError``.
+    With ``compression_ratio=0`` nothing is scored or evicted and the cache behaves as a `kvlib.DynamicCache`.
+    Otherwise a prefilled layer whose attention did not run here cannot be compressed; its next update raises.
     """
 
     def __init__(self, n_layer: int, press: Press | str, compression_ratio: float,
@@ -352,18 +346,15 @@ class PressCache(_Budgeted):
         self.count_written(self.keys[layer], self.values[layer])
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens of the text: any length from the compressed prompt on
-        (the tokens decoded after it were appended, not scored), or 0. Shorter is refused: which prompt
-        tokens the press kept depended on the tokens after the cut."""
+        """Keep the first ``max_length`` tokens of the text: 0, or from the compressed prompt's length on
+        (which prompt tokens the press kept depended on all of them)."""
         super().crop(max_length)
         self.pending = [p and self.get_seq_length(i) > 0 for i, p in enumerate(self.pending)]
 
     def _check_crop(self, n: int) -> None:
-        at = max(self.pressed_at)
-        if n < at:
-            raise ValueError(
-                f"cannot crop PressCache to {n} tokens: it compressed its {at}-token prompt, and which tokens "
-                f"it kept depended on all {at}; crop to {at} or more, or prefill the first {n} tokens again")
+        if n < max(self.pressed_at):
+            raise ValueError(f"cannot crop PressCache to {n} tokens: it compressed its {max(self.pressed_at)}-token "
+                             f"prompt, whose kept tokens depended on all of it; prefill the first {n} again")
 
 
 @torch.inference_mode()

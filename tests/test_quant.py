@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import kvlib
 from kvlib.check import check_cache
-from kvlib.book.requires import missing
+from kvbook.requires import missing
 from kvlib.hf import HFQuantizedCache
 from kvlib.quant import (
     FP8, FP8_MAX, CastCache, FP8Cache, QuantizedCache, fp8_scale, pack_codes, quantize,

@@ -1,27 +1,23 @@
 """The paged KV cache: per-layer block pools, block tables, copy-on-write and prefix sharing.
 
-* A sequence's *block table* maps its logical block ``i`` (tokens
-  ``i*block_size`` to ``(i+1)*block_size - 1``) to a physical block of the pool
-  (`kvlib.paged.BlockAllocator` hands them out). Token ``t`` lives in *slot*
-  ``table[t // block_size] * block_size + t % block_size`` (`slot_mapping`).
-* `PagedCache` holds one key pool and one value pool per layer, ``keys[layer]`` and
-  ``values[layer]``, each ``(num_blocks, block_size, kv_heads, head_dim)``, and the tables.
-* ``with cache.step(sids, tokens) as batch: logits = model(tokens, batch)`` runs one
-  forward over several sequences of different lengths. The `PagedBatch` is an
-  ordinary `kvlib.Cache` (in `kvlib.paged.batch`): it gathers each sequence's keys
-  through its table and supplies every sequence's own positions and causal mask.
-  ``cache.step(sids, rows, packed=True)`` takes rows of different lengths and runs them
-  as one packed row, a `PackedPagedBatch` (the serving engine's step). The step is
-  *committed* (blocks reserved, the new K/V written into their slots, full blocks
-  sealed) when the ``with`` block ends without an error, or by ``batch.commit()``
-  (inside the block or after it: either way it is stored once); a forward that raises
-  halfway leaves the cache exactly as it was. Committing is the only way a step changes
-  the pool, and only the batch can ask for it: its ``commit`` refuses, before changing
+* A sequence's *block table* maps its logical block ``i`` (tokens ``i*block_size`` to ``(i+1)*block_size - 1``) to a
+  physical block of the pool (`kvlib.paged.BlockAllocator` hands them out). Token ``t`` lives in *slot* ``table[t //
+  block_size] * block_size + t % block_size`` (`slot_mapping`).
+* `PagedCache` holds one key pool and one value pool per layer, ``keys[layer]`` and ``values[layer]``, each
+  ``(num_blocks, block_size, kv_heads, head_dim)``, and the tables.
+* ``with cache.step(sids, tokens) as batch: logits = model(tokens, batch)`` runs one forward over several sequences
+  of different lengths. The `PagedBatch` is an ordinary `kvlib.Cache` (in `kvlib.paged.batch`): it gathers each
+  sequence's keys through its table and supplies every sequence's own positions and causal mask. ``cache.step(sids,
+  rows, packed=True)`` takes rows of different lengths and runs them as one packed row, a `PackedPagedBatch` (the
+  serving engine's step). The step is *committed* (blocks reserved, the new K/V written into their slots, full
+  blocks sealed) when the ``with`` block ends without an error, or by ``batch.commit()`` (inside the block or after
+  it: either way it is stored once); a forward that raises halfway leaves the cache exactly as it was. Committing is
+  the only way a step changes the pool, and only the batch can ask for it: its ``commit`` refuses, before changing
   anything, a batch that is stale, incomplete or already committed.
 
-The step's life (open, staged, committed or dropped) is `kvlib.paged.batch`'s; this module
-keeps the tables and the pools, and stores a checked step (`PagedCache._commit`, which
-only a batch calls). The batch module never imports this one.
+The step's life (open, staged, committed or dropped) is `kvlib.paged.batch`'s; this module keeps the tables and the
+pools, and stores a checked step (`PagedCache._commit`, which only a batch calls). The batch module never imports
+this one.
 
 Nothing here is global: block tables, slots and positions are passed explicitly.
 """
@@ -79,10 +75,9 @@ class _Seq:
 class PagedCache:
     """Per-layer block pools shared by many sequences, each with its own block table.
 
-    Lifecycle: ``sid, cached = cache.add(prompt)`` starts a sequence (reusing cached
-    prompt blocks); ``with cache.step([sid, ...], tokens) as b: model(tokens, b)`` appends;
-    ``cache.fork(sid)`` shares a sequence copy-on-write; ``cache.truncate(sid, n)`` rolls
-    it back; ``cache.free(sid)`` ends it.
+    Lifecycle: ``sid, cached = cache.add(prompt)`` starts a sequence (reusing cached prompt blocks);
+    ``with cache.step([sid, ...], tokens) as b: model(tokens, b)`` appends; ``cache.fork(sid)`` shares a
+    sequence copy-on-write; ``cache.truncate(sid, n)`` rolls it back; ``cache.free(sid)`` ends it.
 
     Example
 
@@ -193,12 +188,9 @@ class PagedCache:
         return list(self._seq(sid).tokens)
 
     def add(self, prompt: Sequence[int] = ()) -> tuple[int, int]:
-        """Start a sequence. Returns ``(sid, cached)``: the first ``cached`` prompt tokens'
-        K/V are already in the pool (prefix-cache hits), so run only ``prompt[cached:]``.
-
-        At least the last prompt token is always left to run, even when every block
-        hits: its logits are what the next token is sampled from.
-        """
+        """Start a sequence. Returns ``(sid, cached)``: the first ``cached`` prompt tokens' K/V are already in
+        the pool (prefix-cache hits), so run only ``prompt[cached:]``. At least the last prompt token is always
+        left to run, even when every block hits: its logits are what the next token is sampled from."""
         self._settle()
         prompt = [int(t) for t in prompt]
         seq, bs = _Seq(), self.block_size
@@ -363,10 +355,9 @@ class PagedCache:
             )
 
     def _commit(self, batch: PagedBatch | PackedPagedBatch) -> int:
-        """Package-internal: store a step its ``commit`` has checked (complete, fresh, this cache's
-        open step, room in the pool). Reserves its slots (copy-on-write, new blocks), writes each
-        sequence's new K/V into them, extends the token lists and seals full blocks. Returns the
-        bytes that copy-on-write copied (whole blocks, every layer, keys and values)."""
+        """Package-internal: store a step its ``commit`` has checked (complete, fresh, this cache's open step, room
+        in the pool). Reserves its slots (copy-on-write, new blocks), writes each sequence's new K/V into them,
+        extends the token lists and seals full blocks. Returns the bytes copy-on-write copied (whole blocks)."""
         if self._open is not batch:  # the batch checked this; a guard against any other caller
             raise ValueError(f"this {type(batch).__name__} is not the open step of this cache")
         seqs = [self.seqs[s] for s in batch.sids]
@@ -389,8 +380,8 @@ class PagedCache:
         return copies * self.block_bytes
 
     def _close(self, batch: PagedBatch | PackedPagedBatch) -> None:
-        """Package-internal: forget ``batch`` if it is the open step (its forward failed, or its
-        commit was refused): nothing was written, so there is nothing to undo."""
+        """Package-internal: forget ``batch`` if it is the open step (its forward failed, or its commit was
+        refused): nothing was written, so there is nothing to undo."""
         if self._open is batch:
             self._open = None
 
