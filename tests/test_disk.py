@@ -387,6 +387,18 @@ def test_the_kind_names_the_class_and_its_settings():
                                                                             symmetric=True))
 
 
+def test_every_class_the_kind_names_is_where_it_says():
+    """The kinds match classes by module and name (kvlib.hf is not imported for them): a class
+    that moves module must move here too, or its caches are refused as unknown (FP8Cache, when it
+    moved to kvlib.fp8 in 0.5)."""
+    import importlib
+    from kvlib.distributed import cachekind
+
+    for module, name in [*cachekind._LOSSY, *cachekind._EVICTING, ("kvlib.hybrid", "HybridCache")]:
+        cls = getattr(importlib.import_module(module), name)
+        assert (cls.__module__, cls.__name__) == (module, name)
+
+
 @pytest.mark.parametrize("make", [
     lambda: kvlib.evict.WindowCache(L, 32),  # each with room for the prompt: no eviction yet, still refused
     lambda: kvlib.evict.SinkCache(L, 4, 32, 10000.0),

@@ -6,7 +6,7 @@ shape settle most of it (`kvlib.distributed.disk.fingerprint`); the cache settle
 
 * an **exact** cache (`kvlib.DynamicCache`, `kvlib.StaticCache`, a `kvlib.hybrid.HybridCache`
   whose every layer is full) gives back what the model wrote: its kind is ``"exact"``;
-* a **lossy** cache (`kvlib.quant.QuantizedCache`, `FP8Cache`, `CastCache`,
+* a **lossy** cache (`kvlib.quant.QuantizedCache`, `kvlib.fp8.FP8Cache`, `CastCache`,
   `kvlib.hf.HFQuantizedCache`) gives back rounded K/V, and the model's later layers attended
   over those, so every layer's K/V depend on the cache's settings. Its kind names the class
   and its settings, e.g. ``"QuantizedCache(bits=2, ...)"``: a 2-bit prefix is served only to a
@@ -39,7 +39,7 @@ _EXACT_CLASSES = (DynamicCache, StaticCache)
 _LOSSY = {
     ("kvlib.quant", "QuantizedCache"): ("bits", "key_dim", "value_dim", "group_size", "residual", "block",
                                         "symmetric"),
-    ("kvlib.quant", "FP8Cache"): ("per_head", "scale"),
+    ("kvlib.fp8", "FP8Cache"): ("per_head", "scale"),
     ("kvlib.quant", "CastCache"): ("store_dtype",),
     ("kvlib.hf", "HFQuantizedCache"): ("backend", "kwargs"),
 }
