@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .cache import Cache, nbytes_of
+from .cache import Cache, model_layout, nbytes_of
 from .layers import LayerKind, check_pattern, visible
 
 
@@ -57,6 +57,12 @@ class _Kinds(Cache):
     # bookkeeping, not storage: each layer's last query and key positions, and the keys of this step
     # lent to the layers that share them (the last reader of the step lets go of them)
     beside_kv = ("step", "lent")
+
+    @classmethod
+    def for_model(cls, model_or_config: object) -> "_Kinds":
+        """A cache for a `kvlib.Transformer` or a `kvlib.ModelConfig`: its pattern of layers, or
+        every layer full. It makes its tensors at the first update, in the model's dtype and device."""
+        return cls(model_layout(model_or_config)[0].layer_kinds())
 
     def __init__(self, layers: Sequence[LayerKind]) -> None:
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
@@ -203,11 +209,6 @@ class HybridCache(_Kinds):
     def evicts(self) -> bool:
         """Whether some layer drops tokens it was given (a window or a chunked layer)."""
         return any(kind.kind in ("window", "chunked") for kind in self.layers)
-
-    @classmethod
-    def for_model(cls, config) -> "HybridCache":
-        """A cache for a model of this `kvlib.ModelConfig`: its pattern, or every layer full."""
-        return cls(config.layer_kinds())
 
     def reset(self) -> None:
         super().reset()

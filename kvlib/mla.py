@@ -95,6 +95,16 @@ class LatentCache(DynamicCache):
 
     same_width = False  # c_kv (d_c wide) and k_rope (d_rope wide)
 
+    @classmethod
+    def for_model(cls, model_or_config: object) -> "LatentCache":
+        """A cache for an `MLAAttention` layer or an `MLAConfig`: ``cfg.n_layer`` layers. It makes
+        its tensors at the first update, in the dtype and on the device of what the layer writes."""
+        cfg = getattr(model_or_config, "cfg", model_or_config)
+        if not isinstance(cfg, MLAConfig):
+            raise TypeError(f"LatentCache.for_model takes an MLAAttention or an MLAConfig, got "
+                            f"{type(model_or_config).__name__}")
+        return cls(cfg.n_layer)
+
 
 class MLAAttention(nn.Module):
     """One MLA attention layer; ``forward(..., absorbed=True)`` uses the weight-absorbed form."""

@@ -93,6 +93,11 @@ class PaddedBatch(Cache):
 
     beside_kv = ("valid",)
 
+    @classmethod
+    def for_model(cls, model_or_config: object, *args, **kwargs) -> "PaddedBatch":
+        """Not for a PaddedBatch: it wraps a cache, so build that one for the model and wrap it."""
+        raise TypeError("PaddedBatch wraps a cache: PaddedBatch(kvlib.DynamicCache.for_model(model), valid)")
+
     def __init__(self, cache: Cache, valid: torch.Tensor) -> None:
         if not isinstance(cache, Cache):
             raise TypeError(f"PaddedBatch wraps a kvlib Cache, got {type(cache).__name__}")

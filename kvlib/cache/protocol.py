@@ -34,6 +34,7 @@ continue after what the cache holds; caches that lay keys out their own way
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,15 @@ def model_layout(
     if device is None:
         device = model_or_config.device if is_model else torch.device("cpu")
     return config, dtype, torch.device(device)
+
+
+def check_uniform(config: ModelConfig, name: str) -> None:
+    """A ``ValueError`` if ``config``'s layers differ (a hybrid model), which a cache that treats
+    every layer alike cannot serve: such a model runs with `kvlib.hybrid.HybridCache`."""
+    if config.hybrid:
+        kinds = ", ".join(sorted({str(k) for k in config.layer_kinds()}))
+        raise ValueError(f"{name} keeps every layer alike, but this model's layers differ ({kinds}): use "
+                         f"kvlib.hybrid.HybridCache.for_model(model)")
 
 
 def nbytes_of(*stores: object) -> int:
@@ -142,6 +152,35 @@ class Cache(abc.ABC):
             raise TypeError(f"spec must be a CacheSpec or None, got {type(spec).__name__}")
         self._spec = spec  # what updates must match
         self._spec_fixed = spec is not None  # given by the constructor: never re-derived
+
+    @classmethod
+    def for_model(cls, model_or_config: object, *args, **kwargs) -> "Cache":
+        """A cache for a `kvlib.Transformer` or a `kvlib.ModelConfig`: one layer per model layer,
+        then the class's own settings, ``cls(config.n_layer, *args, **kwargs)``. A class that takes
+        ``rope_base`` (`kvlib.evict.SinkCache`, `kvlib.press.PressCache`) gets the model's unless
+        given one.
+
+        This cache makes its tensors at the first ``update``, from the K/V the model writes, so it
+        takes the model's dtype and device with nothing to pass. Caches that allocate up front
+        (`StaticCache`, `kvlib.paged.PagedCache`) take ``dtype`` and ``device`` here, the model's by
+        default.
+
+        >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+        >>> kvlib.evict.WindowCache.for_model(model, 16).n_layer == model.config.n_layer
+        True
+        """
+        config, _, _ = model_layout(model_or_config)
+        check_uniform(config, cls.__name__)
+        params = inspect.signature(cls.__init__).parameters
+        for name in ("dtype", "device"):
+            if name in kwargs and name not in params:
+                raise TypeError(f"{cls.__name__}.for_model takes no {name}: the cache makes its tensors at the "
+                                f"first update, in the dtype and on the device of the K/V the model writes. Move the "
+                                f"model (model.to(...)), or store another dtype with kvlib.quant.CastCache")
+        if "rope_base" in params and "rope_base" not in inspect.signature(cls).bind_partial(
+                config.n_layer, *args, **kwargs).arguments:
+            kwargs["rope_base"] = config.rope_base
+        return cls(config.n_layer, *args, **kwargs)
 
     # -- the protocol: what a subclass implements -------------------------------------------------
     @abc.abstractmethod

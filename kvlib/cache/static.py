@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
 from ..validate import positive_int
-from .protocol import Cache, CacheSpec, Legacy, _check_legacy, nbytes_of
+from .protocol import Cache, CacheSpec, Legacy, _check_legacy, check_uniform, model_layout, nbytes_of
 
 class StaticCache(Cache):
     """Preallocated buffers, written in place, as in gpt-fast and Hugging Face's ``StaticCache``.
@@ -63,15 +62,19 @@ class StaticCache(Cache):
     @classmethod
     def for_model(
         cls,
-        config: ModelConfig,
+        model_or_config: object,
         batch: int,
         max_len: int,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         grow: bool = False,
     ) -> "StaticCache":
-        """A cache shaped for ``config``: its layers, KV heads and head_dim."""
+        """A cache shaped for a `kvlib.Transformer` or a `kvlib.ModelConfig`: its layers, KV heads
+        and head_dim, in the model's dtype and on its device unless ``dtype``/``device`` say
+        otherwise (a config has neither: fp32 on the CPU)."""
+        config, dtype, device = model_layout(model_or_config, dtype, device)
+        check_uniform(config, cls.__name__)
         return cls(config.n_layer, batch, config.n_kv_head, max_len, config.head_dim, dtype=dtype, device=device,
                    grow=grow)
 

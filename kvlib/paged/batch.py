@@ -98,6 +98,12 @@ class _Step(Cache):
     undo it). A subclass sets ``counts`` (new tokens per sequence) and lays out the keys.
     """
 
+    @classmethod
+    def for_model(cls, model_or_config: object, *args, **kwargs) -> "_Step":
+        """Not for a step: `kvlib.paged.PagedCache.step` opens one on a pool built for the model."""
+        raise TypeError(f"a {cls.__name__} is opened by PagedCache.step: "
+                        f"kvlib.paged.PagedCache.for_model(model, num_blocks), then cache.step(...)")
+
     def __init__(self, cache: StepPool, sids: list[int], tokens: list[list[int]], lengths: list[int],
                  spec: CacheSpec) -> None:
         super().__init__(cache.n_layer, spec)
