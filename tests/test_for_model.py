@@ -118,8 +118,9 @@ def test_for_model_names_what_it_takes(bad):
 def test_wrappers_say_what_to_build_instead():
     with pytest.raises(TypeError, match=r"PaddedBatch\(kvlib.DynamicCache.for_model\(model\), valid\)"):
         kvlib.PaddedBatch.for_model(CFG, torch.ones(1, 4, dtype=torch.bool))
-    with pytest.raises(TypeError, match=r"PagedCache.for_model\(model, num_blocks\)"):
-        kvlib.paged.PagedBatch.for_model(CFG)
+    for step in (kvlib.paged.PagedBatch, kvlib.paged.PackedPagedBatch):
+        with pytest.raises(TypeError, match=r"opened by PagedCache.step: .*PagedCache.for_model\(model, num_blocks\)"):
+            step.for_model(CFG)
 
 
 def test_hugging_faces_quantized_cache_too():
@@ -127,3 +128,23 @@ def test_hugging_faces_quantized_cache_too():
     from kvlib.hf import HFQuantizedCache
 
     assert HFQuantizedCache.for_model(kvlib.Transformer(CFG)).n_layer == L
+
+
+def test_every_cache_class_is_built_here_or_says_what_to_build():
+    """Every public `Cache` class of kvlib (and `PagedCache`, which is not one) is in `CASES`, or
+    has a test of its own above: a new cache cannot be left without a working ``for_model``."""
+    import inspect
+    import pkgutil
+
+    found = set()
+    for info in pkgutil.walk_packages(kvlib.__path__, "kvlib."):
+        if info.name == "kvlib.__main__":
+            continue
+        module = __import__(info.name, fromlist=["_"])
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if (issubclass(obj, kvlib.Cache) and not inspect.isabstract(obj) and obj.__module__ == module.__name__
+                    and not obj.__name__.startswith("_")):
+                found.add(obj.__name__)
+    tested_above = {"LatentCache", "PaddedBatch", "PagedBatch", "PackedPagedBatch", "HFQuantizedCache"}
+    listed = {cls.__name__ for cls, _, _ in CASES.values()} | tested_above
+    assert found == listed, f"no for_model test: {sorted(found - listed)}; gone: {sorted(listed - found)}"
