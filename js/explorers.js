@@ -507,6 +507,9 @@
   }
 
   const EXPLORERS = { cache: cacheExplorer, step: stepExplorer, paging: pagingExplorer };
+  // An explorer in a file of its own registers itself before the page is ready:
+  // window.kvExplorers = Object.assign(window.kvExplorers || {}, { name: function (box, data) {...} }).
+  const explorerOf = name => EXPLORERS[name] || (window.kvExplorers || {})[name];
 
   // The data is a script, explorers-data.js, that sets window.kvExplorerData (written by
   // `python -m kvbook.web`). A script, not a JSON file to fetch: a page opened from disk
@@ -522,7 +525,9 @@
       const data = window.kvExplorerData;
       if (!data) { fail("explorers-data.js set no data"); return; }
       boxes.forEach(box => {
-        EXPLORERS[box.dataset.explorer](box, data);
+        const make = explorerOf(box.dataset.explorer);
+        if (!make) { box.textContent = "No explorer is named " + box.dataset.explorer; return; }
+        make(box, data);
         box.dataset.ready = "true";
       });
     };
