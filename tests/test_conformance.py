@@ -152,7 +152,8 @@ def test_every_new_property_runs_on_every_cache_or_is_declared():
         assert all(isinstance(why, str) and len(why) > 10 for why in na.values()), name
 
 
-def test_the_registry_lists_every_cache():
+def public_cache_classes() -> set[str]:
+    """The names of kvlib's public, concrete `Cache` classes, found by walking every module."""
     classes = set()
     for info in pkgutil.walk_packages(kvlib.__path__, "kvlib."):
         if info.name == "kvlib.__main__":
@@ -162,5 +163,10 @@ def test_the_registry_lists_every_cache():
             if issubclass(obj, Cache) and not inspect.isabstract(obj) and obj.__module__ == module.__name__:
                 if not obj.__name__.startswith("_"):
                     classes.add(obj.__name__)
+    return classes
+
+
+def test_the_registry_lists_every_cache():
+    classes = public_cache_classes()
     listed = {name.split("(")[0] for name in REGISTRY} | {"PagedBatch", "PackedPagedBatch", "PackedBatch"}
     assert classes == listed, f"not in the registry: {sorted(classes - listed)}; gone: {sorted(listed - classes)}"

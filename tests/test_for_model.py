@@ -133,18 +133,9 @@ def test_hugging_faces_quantized_cache_too():
 def test_every_cache_class_is_built_here_or_says_what_to_build():
     """Every public `Cache` class of kvlib (and `PagedCache`, which is not one) is in `CASES`, or
     has a test of its own above: a new cache cannot be left without a working ``for_model``."""
-    import inspect
-    import pkgutil
+    from test_conformance import public_cache_classes
 
-    found = set()
-    for info in pkgutil.walk_packages(kvlib.__path__, "kvlib."):
-        if info.name == "kvlib.__main__":
-            continue
-        module = __import__(info.name, fromlist=["_"])
-        for _, obj in inspect.getmembers(module, inspect.isclass):
-            if (issubclass(obj, kvlib.Cache) and not inspect.isabstract(obj) and obj.__module__ == module.__name__
-                    and not obj.__name__.startswith("_")):
-                found.add(obj.__name__)
+    found = public_cache_classes()
     tested_above = {"LatentCache", "PaddedBatch", "PagedBatch", "PackedPagedBatch", "HFQuantizedCache"}
     listed = {cls.__name__ for cls, _, _ in CASES.values()} | tested_above
     assert found == listed, f"no for_model test: {sorted(found - listed)}; gone: {sorted(listed - found)}"
