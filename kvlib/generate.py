@@ -139,7 +139,9 @@ def check_cache_arg(cache: object, who: str) -> None:
     """``cache`` is None or a kvlib `Cache`; else a ``TypeError`` that says what to pass instead."""
     if cache is None or isinstance(cache, Cache):
         return
-    if type(cache).__name__ == "PagedCache":
+    from .paged import PagedCache  # on the error path only: a plain generate never loads the pool
+
+    if isinstance(cache, PagedCache):
         raise TypeError(
             f"{who} take a kvlib Cache, and a PagedCache is a pool of blocks shared by many sequences, not one "
             f"sequence's cache: run it with kvlib.Engine(model, paged_cache).run(prompts), or drive one step "

@@ -167,6 +167,12 @@ def test_misuse_gets_an_error_that_says_what_to_do(tiny):
     paged = kvlib.PagedCache.for_model(tiny.config, num_blocks=8, block_size=4)
     with pytest.raises(TypeError, match=r"PagedCache.*Engine.*step"):
         kvlib.generate(tiny, [1, 2, 3], 4, cache=paged)
+
+    class MyPool(kvlib.PagedCache):  # a pool of one's own is still a pool, whatever its name
+        pass
+
+    with pytest.raises(TypeError, match=r"PagedCache.*Engine.*step"):
+        kvlib.stream(tiny, [1, 2, 3], 4, cache=MyPool.for_model(tiny, num_blocks=8, block_size=4)).__next__()
     with pytest.raises(TypeError, match="must be a kvlib Cache"):
         kvlib.generate(tiny, [1, 2, 3], 4, cache="x")
     with pytest.raises(TypeError, match=r"torch.tensor\(\[42\]\)"):
