@@ -213,3 +213,71 @@ def test_a_failed_step_is_recorded_as_what_it_gave_back():
     assert steps[1]["tables"] == steps[0]["tables"]
     assert len(list(replay(engine.trace))) == len(steps) == engine.stats.steps + 1
     assert steps[-1]["counts"]["used"] == 0
+
+
+# -- the cross-check's side: vLLM's trace beside kvlib's (vllmcheck.traces), and the stored record ----------------
+def stored():
+    from vllmcheck import load_traces
+
+    return load_traces()
+
+
+def test_the_stored_traces_replay_and_agree_step_by_step():
+    from vllmcheck.traces import compare_traces
+
+    rec = stored()
+    kvlib_trace, vllm_trace = PoolTrace.from_dict(rec["kvlib"]), PoolTrace.from_dict(rec["vllm"])  # both replay
+    assert vllm_trace.engine.startswith("vllm ") and vllm_trace.missing and not kvlib_trace.missing
+    assert kvlib_trace.num_blocks == vllm_trace.num_blocks and kvlib_trace.block_size == vllm_trace.block_size
+    assert len(rec["kvlib"]["steps"]) == len(rec["vllm"]["steps"]) > 100
+    fresh = [c.as_dict() for c in compare_traces(rec["kvlib"], rec["vllm"])]
+    assert fresh == rec["checks"]  # the stored comparison is what comparing the stored traces gives
+    assert {c["name"]: c["status"] for c in fresh if c["status"] != "report"} == {
+        "pool trace: kvlib replays": "pass", "pool trace: vLLM replays": "pass", "pool trace: steps": "pass",
+        "pool trace: counts per step": "pass", "pool trace: blocks per step": "pass",
+        "pool trace: tokens per step": "pass"}
+    from vllmcheck import TRACES
+
+    assert TRACES.stat().st_size < 300_000
+
+
+@pytest.mark.parametrize("change, failing", [
+    (lambda t: t["steps"][40]["counts"].update(cached=t["steps"][40]["counts"]["cached"] + 1),
+     {"pool trace: vLLM replays", "pool trace: counts per step"}),
+    (lambda t: t["steps"][10]["lengths"].update({k: v + 1 for k, v in t["steps"][10]["lengths"].items()}),
+     {"pool trace: tokens per step"}),
+    (lambda t: t["steps"].pop(), {"pool trace: steps", "pool trace: counts per step", "pool trace: blocks per step",
+                                  "pool trace: tokens per step"}),
+])
+def test_the_comparison_fails_where_the_engines_part(change, failing):
+    from vllmcheck.traces import compare_traces
+
+    rec = stored()
+    vllm_trace = copy.deepcopy(rec["vllm"])
+    change(vllm_trace)
+    got = {c.name for c in compare_traces(rec["kvlib"], vllm_trace) if c.status == "fail"}
+    assert got == failing
+
+
+def test_a_differing_step_fails_against_the_stored_record():
+    from vllmcheck import settle
+    from vllmcheck.traces import trace_facts
+
+    rec, path = stored(), __import__("vllmcheck").TRACES
+    failed = []
+    settle(rec, None, path, trace_facts, failed)
+    assert failed == []
+    moved = copy.deepcopy(rec)
+    moved["kvlib"]["steps"][5]["tables"]["request-0"].append(0)
+    settle(moved, None, path, trace_facts, failed)
+    assert failed == ["against the stored record"]
+
+
+def test_rename_keys_every_sequence_by_the_workloads_names(recorded):
+    from vllmcheck.traces import rename
+
+    d = rename(json.loads(recorded[0].trace.to_json()), {"1": "first", "0": "group"})
+    assert "first" in d["requests"] and "group.2" in d["requests"] and "1" not in d["requests"]
+    forks = [e for s in d["steps"] for e in s["events"] if e["kind"] == "fork"]
+    assert forks[0]["parent"] == "group.0" and forks[0]["seq"] == "group.1"
+    PoolTrace.from_dict(d)  # still a trace that replays
