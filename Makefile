@@ -33,7 +33,8 @@ bench: ready
 	$(PY) -m kvbench --json bench.json
 
 # vLLM beside kvlib (issue 27): `make vllm` builds its environment (.venv-vllm, about 3 minutes, 2 GB); `make crosscheck`
-# runs both engines on the same requests and checks them against the stored record (vllmcheck/data/vllm_cpu.json).
+# runs both engines on the same requests and checks them against the stored record (vllmcheck/data/vllm_cpu.json),
+# and chapter 12's paged pool in both, step by step, against its own (vllmcheck/data/pool_trace_cpu.json).
 vllm:
 	./scripts/vllm_env.sh .venv-vllm
 
@@ -42,7 +43,8 @@ vllm-ready:
 	  kvlib/hf.py kvlib/pretrained.py vllmcheck/driver.py -- ./scripts/vllm_env.sh .venv-vllm
 
 crosscheck: ready vllm-ready
-	$(PY) -m vllmcheck --json _build/vllm_cpu.json --against vllmcheck/data/vllm_cpu.json
+	$(PY) -m vllmcheck --json _build/vllm_cpu.json --against vllmcheck/data/vllm_cpu.json \
+	  --traces _build/pool_trace_cpu.json --traces-against vllmcheck/data/pool_trace_cpu.json
 
 # vLLM past one process (issue 31): tensor_parallel_size=3 (three worker processes) beside kvlib's single process,
 # the sizes it refuses, and its KV connectors (which start on a CPU, which load a stored prefix); about 4 minutes on

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .model import Transformer
-from .paged import OutOfBlocks, PagedCache
+from .paged import OutOfBlocks, PagedCache, PoolTrace
 from .sampling import SamplingParams, sample, sampling_params
 from .scheduler import Prefill, Request, Scheduler, SeqState, Sequence, StepPlan
 from .validate import positive_int, token_ids
@@ -72,6 +72,9 @@ class Engine:
     ``PagedCache.for_model(model, num_blocks, block_size)``): any other is refused here,
     not halfway through a step.
 
+    ``trace=PoolTrace()`` records every block event of the run, step by step
+    (`kvlib.paged.trace`); the pool must be fresh, and the trace is ``engine.trace``.
+
     Example
 
     >>> model = kvlib.Transformer(kvlib.PRESETS["tiny"])
@@ -92,6 +95,7 @@ class Engine:
         token_budget: int | None = None,
         stop: Iterable[int] = (),
         generator: torch.Generator | None = None,
+        trace: PoolTrace | None = None,
     ) -> None:
         if not isinstance(model, Transformer):
             raise TypeError(f"Engine needs a kvlib Transformer, got {type(model).__name__}")
@@ -115,6 +119,11 @@ class Engine:
         self.generator = generator
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats()
+        if trace is not None and not isinstance(trace, PoolTrace):
+            raise TypeError(f"trace must be a kvlib.paged.PoolTrace (or None), got {type(trace).__name__}")
+        self.trace = trace
+        if trace is not None:
+            trace._attach(self)
 
     def add(
         self,
@@ -160,17 +169,31 @@ class Engine:
         If the forward or the sampling fails, nothing is committed or emitted: the step's
         prompts go back first in line and its decodes simply run again next step.
         """
-        plan = self.scheduler.schedule(self.token_budget)
+        self._note("begin")
+        try:
+            plan = self.scheduler.schedule(self.token_budget)
+        except BaseException:
+            self._note("failed")
+            raise
+        self._note("scheduled", plan)
         self.stats.preemptions += len(plan.preempted) + plan.abandoned
         if plan:
             try:
                 picks = iter(self._run(plan))
             except BaseException:
                 self.scheduler.unschedule(plan)
+                self._note("failed", plan)
                 raise
+            self._note("committed", plan)
             self._process(plan, picks, time.perf_counter())  # one time: the step's tokens came back in one read
         self.stats.steps += 1
+        self._note("ended", plan)
         return plan
+
+    def _note(self, phase: str, plan: StepPlan | None = None) -> None:
+        """Tell the trace, if any, that a phase of the step ended (it diffs the pool into events)."""
+        if self.trace is not None:
+            self.trace._observe(self, phase, plan)
 
     @torch.inference_mode()
     def _run(self, plan: StepPlan) -> list[int]:

@@ -17,6 +17,8 @@ book reads where vLLM is not installed (`load_record`).
 * `run`: scenarios through both engines, compared; `serving` builds one from a reader's own
   prompts (chapter 12's are `serving_prompts`).
 * `load_record`: the stored record (``vllmcheck/data/vllm_cpu.json``).
+* `load_traces`: the paged pool of both engines on chapter 12's requests, step by step, and the
+  comparison of the two (``vllmcheck/data/pool_trace_cpu.json``, `vllmcheck.traces`).
 * `capacity_line`: vLLM's "KV cache size" log line read back (`kvlib.memory.pool_capacity`
   computes it).
 """
@@ -35,6 +37,8 @@ from .workload import serving, serving_prompts, spec_prompts
 
 #: The stored cross-check record, read where vLLM is not installed (`load_record`).
 RECORD = Path(__file__).resolve().parent / "data" / "vllm_cpu.json"
+#: The stored pool traces of both engines on chapter 12's requests, and their comparison (`load_traces`).
+TRACES = Path(__file__).resolve().parent / "data" / "pool_trace_cpu.json"
 VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"  # where `make vllm` puts it, beside kvlib/
 ENV_VAR = "KVLIB_VLLM_PYTHON"  # a path to another vLLM interpreter, or "off"
 
@@ -77,16 +81,18 @@ def vllm_checkpoint(python: Path | None = None, model_dir: Path | None = None) -
 
 
 def runner_args(argv: list[str], prog: str, doc: str | None, tool: str, label: str, find_python,
-                only: str, against: str) -> argparse.Namespace | None:
+                only: str, against: str, extra=None) -> argparse.Namespace | None:
     """The command line every outside-reference runner takes: ``--python`` (``tool``'s interpreter,
     default ``find_python()``, the ``make tool`` environment), ``--json`` (write the record),
-    ``--against`` (a stored record) and ``--only``. None, after saying what to run, when there is
-    no such environment."""
+    ``--against`` (a stored record) and ``--only``; ``extra(parser)`` adds a runner's own. None,
+    after saying what to run, when there is no such environment."""
     ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", type=Path, default=None, help=f"{label}'s interpreter (default: .venv-{tool})")
     ap.add_argument("--json", type=Path, default=None, help="write the record here")
     ap.add_argument("--against", type=Path, default=None, help=against)
     ap.add_argument("--only", nargs="*", default=None, help=only)
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args(argv)
     args.python = args.python or find_python()
     if args.python is None:
@@ -117,5 +123,12 @@ def load_record(path: str | os.PathLike | None = None) -> dict:
     return read_record(RECORD if path is None else path, "vllm crosscheck")
 
 
-__all__ = ["Check", "RECORD", "capacity_line", "compare", "env_python", "load_record", "read_record", "run", "runner_args", "serving", "serving_prompts", "settle",
+def load_traces(path: str | os.PathLike | None = None) -> dict:
+    """The stored pool traces of chapter 12's requests: ``{"kvlib": trace, "vllm": trace, "checks": [...],
+    "machine": {...}}``, each trace a ``kv-pool-trace/1`` object (`kvlib.paged.PoolTrace.from_dict` reads it)."""
+    return read_record(TRACES if path is None else path, "vllm crosscheck")
+
+
+__all__ = ["Check", "RECORD", "TRACES", "capacity_line", "compare", "env_python", "load_record", "load_traces",
+           "read_record", "run", "runner_args", "serving", "serving_prompts", "settle",
            "spec_prompts", "vllm_checkpoint", "vllm_python"]

@@ -1,19 +1,25 @@
 """``python -m vllmcheck``: run vLLM and kvlib on the same work, compare, write the record.
 
     python -m vllmcheck [--python VLLM_PY] [--json OUT] [--against RECORD] [--only NAME ...]
+                        [--traces OUT] [--traces-against RECORD]
     python -m vllmcheck export DIR   # SmolLM2 in Hugging Face format, for vLLM (run with vLLM's python)
 
 Exits 1 if any check fails, or if ``--against`` finds a token, count or step that
-differs from the stored record (timings may differ: they are not compared).
+differs from the stored record (timings may differ: they are not compared). Chapter 12's
+scenario also records both engines' paged pool, step by step: those traces and their
+comparison (`vllmcheck.traces`) are a record of their own, ``--traces`` writes it and
+``--traces-against`` checks every step's counts and table lengths against a stored one.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from . import runner_args, settle, vllm_python
 from .driver import export, run
+from .traces import trace_facts, trace_record
 from .workload import scenarios, serving_prompts, spec_prompts
 
 
@@ -58,9 +64,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         export(argv[1])
         return 0
+    def trace_args(ap):
+        ap.add_argument("--traces", type=Path, default=None, help="write the pool traces' record here")
+        ap.add_argument("--traces-against", type=Path, default=None,
+                        help="a stored pool-trace record every step must match")
+
     args = runner_args(argv, "python -m vllmcheck", __doc__, "vllm", "vLLM", vllm_python,
                        only="scenarios to run (default: all)",
-                       against="a stored record the tokens and counts must match")
+                       against="a stored record the tokens and counts must match", extra=trace_args)
     if args is None:
         return 2
 
@@ -73,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     work = [s for s in scenarios(model.config, text_ids, spec_prompts(tok), serving_prompts(tok))
             if not args.only or s["name"] in args.only]
     record = run(model, work, args.python, log=lambda line: print(line, flush=True))
+    traces = {side: record[side].get("serving", {}).pop("trace", None) for side in ("kvlib", "vllm")}
     checks = [Check(**c) for c in record["checks"]]
     for c in checks:
         print(f"[{c.status:6s}] {c.name}: vLLM {c.vllm} | kvlib {c.kvlib}\n          {c.detail}")
@@ -81,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.against and skip:
         print(f"vLLM refused {sorted(skip)} on this machine: not compared with {args.against}")
     settle(record, args.json, args.against, lambda r: _facts(r, skip), failed)
+    if None not in traces.values():  # chapter 12's scenario ran in both engines: their pools, step by step
+        traced = trace_record(traces["kvlib"], traces["vllm"], record["machine"])
+        for c in (Check(**c) for c in traced["checks"]):
+            print(f"[{c.status:6s}] {c.name}: vLLM {c.vllm} | kvlib {c.kvlib}\n          {c.detail}")
+            failed += [c.name] if c.status == "fail" else []
+        checks += [Check(**c) for c in traced["checks"]]
+        settle(traced, args.traces, args.traces_against, trace_facts, failed, compact=True)
+    elif args.traces or args.traces_against:
+        print("no pool traces: chapter 12's scenario (serving) did not run in both engines", file=sys.stderr)
+        failed.append("pool traces")
     print(f"{len(checks)} checks, {len(failed)} failed, in {record['seconds']:.0f} s")
     return 1 if failed else 0
 

@@ -9,7 +9,9 @@ compared field by field:
   ``max_num_seqs``; requests arrive before the same step as in vLLM;
 * the FP8 scenario generates with `kvlib.quant.FP8Cache` at vLLM's default scale of 1.0;
 * the n-gram scenario runs `kvlib.speculative.speculative_generate` with a
-  `PromptLookupDraft` of the same n-gram range and ``k``.
+  `PromptLookupDraft` of the same n-gram range and ``k``;
+* a traced scenario (chapter 12's, ``"trace": True``) records the pool with `kvlib.paged.PoolTrace`,
+  its sequences keyed by the workload's request ids.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import torch
 from kvlib.engine import Engine
 from kvlib.generate import generate
 from kvlib.model import Transformer
-from kvlib.paged import PagedCache
+from kvlib.paged import PagedCache, PoolTrace
 from kvlib.quant import FP8Cache
 from kvlib.speculative import PromptLookupDraft, speculative_generate
+from .traces import rename
 from .workload import WARMUP, block_bytes, prompt_of
 
 
-def _serve_phase(engine: Engine, phase: list[dict], done: dict) -> dict:
+def _serve_phase(engine: Engine, phase: list[dict], done: dict, names: dict | None = None) -> dict:
+    """One phase through ``engine``; ``names`` (if given) gets engine request id -> the workload's."""
     pending = sorted(phase, key=lambda r: r["arrive"])
     records, seqs = {}, {}
     step, t0 = 0, time.perf_counter()
@@ -38,6 +42,8 @@ def _serve_phase(engine: Engine, phase: list[dict], done: dict) -> dict:
             prompt = prompt_of(r, done)
             rid = engine.add(prompt, r["max_tokens"])
             seqs[r["id"]] = engine.requests[rid].seqs[0]
+            if names is not None:
+                names[str(rid)] = r["id"]
             records[r["id"]] = {"prompt": prompt, "tokens": [], "first_step": None, "arrive": r["arrive"]}
         engine.step()
         for name, seq in seqs.items():
@@ -85,7 +91,8 @@ def run(scenario: dict, model: Transformer) -> dict:
     num_blocks = llm["kv_cache_memory_bytes"] // block_bytes(cfg, llm["block_size"]) - 1
     def fresh() -> Engine:
         cache = PagedCache.for_model(model, num_blocks=num_blocks, block_size=llm["block_size"], prefix_caching=True)
-        return Engine(model, cache, max_batch=llm["max_num_seqs"], token_budget=s["kvlib"]["token_budget"])
+        return Engine(model, cache, max_batch=llm["max_num_seqs"], token_budget=s["kvlib"]["token_budget"],
+                      trace=PoolTrace() if s.get("trace") else None)
 
     engine = fresh()
     result["num_blocks"] = num_blocks
@@ -94,8 +101,11 @@ def run(scenario: dict, model: Transformer) -> dict:
         engine = fresh()
     done: dict = {}
     result["phases"] = []
+    names: dict[str, str] = {}
     for phase in s["phases"]:
-        rec = _serve_phase(engine, phase, done)
+        rec = _serve_phase(engine, phase, done, names)
         done.update(rec["requests"])
         result["phases"].append(rec)
+    if engine.trace is not None:  # keyed by the workload's request ids, as vLLM's trace is
+        result["trace"] = rename(engine.trace.to_dict(), names)
     return result

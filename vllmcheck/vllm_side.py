@@ -34,8 +34,9 @@ def counters(llm) -> dict[str, float]:
     return out
 
 
-def _run_phase(llm, phase: list[dict], params_of, done: dict) -> dict:
-    """Serve one phase step by step; returns its requests' records and its step count."""
+def _run_phase(llm, phase: list[dict], params_of, done: dict, trace=None) -> dict:
+    """Serve one phase step by step; returns its requests' records and its step count. ``trace``
+    (a `vllmcheck.vllm_trace.VllmPoolTrace`, or None) records the pool around each step."""
     from vllm.inputs import TokensPrompt
 
     engine, records = llm.llm_engine, {}
@@ -46,8 +47,15 @@ def _run_phase(llm, phase: list[dict], params_of, done: dict) -> dict:
             r = pending.pop(0)
             prompt = prompt_of(r, done)  # a follow-up turn: the earlier prompt, its reply, then this text
             records[r["id"]] = {"prompt": prompt, "tokens": [], "first_step": None, "arrive": r["arrive"]}
-            engine.add_request(r["id"], TokensPrompt(prompt_token_ids=prompt), params_of(r))
-        for out in engine.step():
+            vllm_id = engine.add_request(r["id"], TokensPrompt(prompt_token_ids=prompt), params_of(r))
+            if trace is not None:
+                trace.add(vllm_id, r["id"], len(prompt), r["max_tokens"])
+        if trace is not None:
+            trace.before()
+        outs = engine.step()
+        if trace is not None:
+            trace.after()
+        for out in outs:
             rec = records[out.request_id]
             rec["tokens"] = list(out.outputs[0].token_ids)
             if rec["first_step"] is None and rec["tokens"]:
@@ -69,8 +77,12 @@ def run(scenario: dict, model_dir: str) -> dict:
 
     result: dict = {"scenario": scenario["name"], "vllm": vllm.__version__}
     t0 = time.perf_counter()
+    extra = {}
+    if scenario.get("trace"):  # vLLM's KV-cache events, kept by the trace in this process (no publisher)
+        from vllm.config import KVEventsConfig
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     try:
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, disable_log_stats=False, **scenario["llm"])
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, disable_log_stats=False, **scenario["llm"], **extra)
     except Exception as e:  # a setting this build refuses: say what it answered
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc(limit=3)[-3000:]
@@ -89,13 +101,19 @@ def run(scenario: dict, model_dir: str) -> dict:
         llm.reset_prefix_cache()
     done: dict = {}
     result["phases"] = []
+    trace = None
+    if scenario.get("trace"):
+        from .vllm_trace import VllmPoolTrace
+        trace = VllmPoolTrace(llm)
     for phase in scenario["phases"]:
         before = counters(llm)
-        rec = _run_phase(llm, phase, params_of, done)
+        rec = _run_phase(llm, phase, params_of, done, trace)
         after = counters(llm)
         rec["counters"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
         done.update(rec["requests"])
         result["phases"].append(rec)
+    if trace is not None:
+        result["trace"] = trace.trace
     return result
 
 

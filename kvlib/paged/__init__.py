@@ -12,6 +12,10 @@
   (`kv_groups`), a block table per group, window layers giving back the blocks they have
   passed (`blocks_held`), prefix hits every group can serve. No tensors.
 * `kvlib.paged.kernel`: `paged_attention_loop`, the paged kernel's block-by-block loop.
+* `kvlib.paged.trace`: `PoolTrace`, every block event of an `kvlib.Engine` run and the pool after
+  each step (format ``kv-pool-trace/1``, shared with vLLM's side of the cross-check).
+* `kvlib.paged.replay`: `replay`, the pool rebuilt from a trace's events alone, step by step, and
+  checked against the trace's own tables and counts.
 
 Every name is importable from ``kvlib.paged`` itself.
 """
@@ -21,6 +25,8 @@ from .blocks import BlockAllocator, OutOfBlocks, chain_hash
 from .cache import PagedCache
 from .hybrid import HybridBlockPool, KVGroup, blocks_held, kv_groups
 from .kernel import paged_attention_loop
+from .replay import replay
+from .trace import PoolTrace
 
 __all__ = ["BlockAllocator", "HybridBlockPool", "KVGroup", "OutOfBlocks", "PackedPagedBatch", "PagedBatch", "PagedCache",
-           "StepPool", "chain_hash", "gather", "blocks_held", "kv_groups", "paged_attention_loop", "slot_mapping"]
+           "PoolTrace", "StepPool", "chain_hash", "gather", "blocks_held", "kv_groups", "paged_attention_loop", "replay", "slot_mapping"]
