@@ -25,7 +25,7 @@ import sys
 from html import escape
 from pathlib import Path
 
-from .pooltrace import check, load, state_at, step_range
+from .pooltrace import check, load, seq_key, state_at, step_range
 
 # Okabe-Ito, without black: legible on light and dark pages, told apart by most colour-blind eyes
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442"]
@@ -34,11 +34,11 @@ CELL, GAP, LABEL, TANK = 40, 4, 14, 26  # a block's box: its label row over its 
 
 
 def sequences(*traces: dict) -> list[str]:
-    """Every sequence key, in the order it first holds blocks (trace by trace)."""
+    """Every sequence key, in the order it first holds blocks (trace by trace; in a step, by `seq_key`)."""
     seen: dict[str, None] = {}
     for t in traces:
         for s in t["steps"]:
-            seen.update(dict.fromkeys(s["tables"]))
+            seen.update(dict.fromkeys(sorted(s["tables"], key=seq_key)))
     return list(seen)
 
 

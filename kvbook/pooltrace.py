@@ -172,6 +172,11 @@ def check(trace) -> dict:
     return trace
 
 
+def seq_key(seq: str) -> tuple:
+    """The order sequences are listed in: by request id, then sample (numbers as numbers)."""
+    return tuple((0, int(p), "") if p.isascii() and p.isdigit() else (1, 0, p) for p in seq.split("."))
+
+
 def step_range(*traces: dict) -> tuple[int, int]:
     """The first and last step of any of the traces: the explorer's slider runs over them."""
     return (min(t["steps"][0]["step"] for t in traces), max(t["steps"][-1]["step"] for t in traces))
@@ -180,7 +185,7 @@ def step_range(*traces: dict) -> tuple[int, int]:
 def state_at(trace: dict, step: int) -> dict:
     """What the pool held after ``step``: the last recorded step at or before it (``at``; None
     before the first, an empty pool), its ``events`` if it is that very step, its ``tables``,
-    ``lengths`` and ``counts``; and per block, its ``owners`` (the sequences whose tables hold
+    ``lengths`` and ``counts`` (the tables in `seq_key` order); and per block, its ``owners`` (the sequences whose tables hold
     it), ``fill`` (the most tokens any owner keeps in it) and whether it is ``cached``: free,
     and sealed by a ``seal`` event not undone since (by ``evict``, or by reuse as a fresh
     ``allocate`` or ``cow`` target). ``cached_blocks`` may differ from ``counts["cached"]``
@@ -204,7 +209,8 @@ def state_at(trace: dict, step: int) -> dict:
     if current is None:
         tables, lengths, counts, events = {}, {}, {"used": 0, "cached": 0, "free": n}, []
     else:
-        tables, lengths, counts = current["tables"], current["lengths"], current["counts"]
+        tables = {seq: current["tables"][seq] for seq in sorted(current["tables"], key=seq_key)}
+        lengths, counts = current["lengths"], current["counts"]
         events = current["events"] if current["step"] == step else []
     owners: dict[int, list[str]] = {}
     fill: dict[int, int] = {}
