@@ -192,6 +192,10 @@
       " blocks of " + trace.block_size + " tokens";
   }
   function esc(s) { return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/"/g, "&quot;"); }
+  function label(own) {  // kvbook.pool._label: the owner, cut to 4 characters, or "×2" when shared
+    if (own.length > 1) return "×" + own.length;
+    return !own.length ? "" : [...own[0]].length <= 4 ? own[0] : [...own[0]].slice(0, 3).join("") + "…";
+  }
   function gridSvg(trace, s, palette, width) {  // kvbook.pool.grid_svg
     const size = trace.block_size, cols = Math.max(1, Math.min(16, Math.floor((width + GAP) / (CELL + GAP))));
     const rows = Math.ceil(trace.num_blocks / cols);
@@ -204,7 +208,7 @@
       const own = s.owners.get(b) || [], f = s.fill.get(b) || 0;
       const kind = own.length ? "used" : cached.has(b) ? "cached" : "free";
       const x = (b % cols) * (CELL + GAP), y = Math.floor(b / cols) * (LABEL + TANK + GAP), ty = y + LABEL;
-      const owner = own.length <= 2 ? own.join("+") : own[0] + "+" + (own.length - 1);
+      const owner = label(own);
       const tip = "block " + b + ": " + (own.length ? own.join(", ") + ", " + f + " of " + size + " tokens" : kind);
       svg.push('<g class="kv-block" data-block="' + b + '" data-kind="' + kind + '" data-owners="' + esc(own.join(" ")) +
                '" data-fill="' + f + '"><title>' + esc(tip) + "</title>");
@@ -237,7 +241,7 @@
   }
   let uid = 0;
 
-  function panel(trace, step, palette, width) {
+  function panel(trace, step, palette) {
     const s = stateAt(trace, step), p = el("section", { class: "kv-pool-panel" });
     p.append(el("p", { class: "kv-pool-title" }, title(trace, s)));
     const counts = el("p", { class: "kv-pool-counts" });
@@ -248,7 +252,7 @@
     });
     p.append(counts);
     const pic = el("div", { class: "kv-picture" });
-    pic.innerHTML = gridSvg(trace, s, palette, width);
+    p.draw = () => { pic.innerHTML = gridSvg(trace, s, palette, Math.max(120, Math.min(pic.clientWidth || 320, 700))); };
     p.append(pic);
     if (s.cached_blocks.length !== s.counts.cached)
       p.append(el("p", { class: "kv-note" }, "The events mark " + s.cached_blocks.length +
@@ -295,7 +299,7 @@
 
   function poolExplorer(box) {
     const form = el("div", { class: "kv-pool-controls" });
-    const play = el("button", { type: "button", class: "kv-button", "aria-pressed": "false" }, "▶ play");
+    const play = el("button", { type: "button", class: "kv-button", "aria-label": "play", "aria-pressed": "false" }, "▶ play");
     const prev = el("button", { type: "button", class: "kv-button", "aria-label": "previous step" }, "‹");
     const next = el("button", { type: "button", class: "kv-button", "aria-label": "next step" }, "›");
     const id = "kv-pool-step-" + (++uid);
@@ -318,13 +322,13 @@
       now.value = String(step);
       now.dataset.value = String(step);
       const palette = colours(traces);
-      const width = Math.max(200, Math.min(traces.length > 1 && box.clientWidth > 700 ? box.clientWidth / 2 - 24
-                                                                                       : box.clientWidth - 8, 700));
-      panels.replaceChildren(...traces.map((t, i) => {
-        const p = panel(t, step, palette, width);
+      const list = traces.map((t, i) => {
+        const p = panel(t, step, palette);
         p.dataset.trace = String(i);
         return p;
-      }));
+      });
+      panels.replaceChildren(...list);
+      list.forEach(p => p.draw());  // the grid at its panel's width, once the panel is laid out
     }
     function use(list, source) {
       traces = list;

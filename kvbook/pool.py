@@ -83,9 +83,17 @@ def _cells(trace: dict, state: dict) -> list[dict]:
     return out
 
 
+def _label(owners: list[str]) -> str:
+    """What a block's label says: its owner (cut to 4 characters), or how many share it (``×2``)."""
+    if len(owners) > 1:
+        return f"×{len(owners)}"
+    return "" if not owners else owners[0] if len(owners[0]) <= 4 else owners[0][:3] + "…"
+
+
 def grid_svg(trace: dict, state: dict, palette: dict[str, str], width: int = 640) -> str:
     """The pool as SVG: block ``b`` at row ``b // columns``; above each block its id and its
-    owner (``2.1``, or ``1+2`` when shared), and the block coloured up to its fill."""
+    owner (``2.1``, or ``×2`` when two sequences share it, drawn with a thicker edge), and the
+    block coloured up to its fill."""
     size, cols = trace["block_size"], max(1, min(16, (width + GAP) // (CELL + GAP)))
     rows = -(-trace["num_blocks"] // cols)
     w, h = cols * (CELL + GAP) - GAP, rows * (LABEL + TANK + GAP)
@@ -95,7 +103,7 @@ def grid_svg(trace: dict, state: dict, palette: dict[str, str], width: int = 640
            f'{state["step"]}: {used} used, {cached} cached">']
     for c in _cells(trace, state):
         x, y = (c["block"] % cols) * (CELL + GAP), (c["block"] // cols) * (LABEL + TANK + GAP)
-        owner = "+".join(c["owners"]) if len(c["owners"]) <= 2 else f"{c['owners'][0]}+{len(c['owners']) - 1}"
+        owner = _label(c["owners"])
         tip = (f"block {c['block']}: " + (f"{', '.join(c['owners'])}, {c['fill']} of {size} tokens"
                                          if c["owners"] else c["kind"]))
         svg.append(f'<g class="kv-block" data-block="{c["block"]}" data-kind="{c["kind"]}" '

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbook import pool, pooltrace
+from kvbook import pool
 from kvbook.pool import event_text, pool_explorer, step_text
 from kvbook.pooltrace import check, load, state_at
+from test_site import browser  # noqa: F401  (the fixture: Debian's Chromium)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -272,3 +273,200 @@ def test_site_script_round_trips(tmp_path):
     broken["steps"][0]["tables"]["0"] = [0, 12]
     with pytest.raises(IndexError, match="block 12, but the pool has blocks 0 to 9"):
         pool.script({"kvlib": broken})
+
+
+# -- the website's explorer, in Chromium -------------------------------------------------------------
+# A copy of the built site (``make book``) with this worktree's scripts and the fixtures shipped
+# as its traces, and a page made from chapter 9's with a pool explorer in place of its paging
+# one. Opened from disk (file://), as a reader who opens _build/html/index.html does.
+
+POOL_DIV = ('<div class="kv-explorer" data-explorer="pool" data-traces="{traces}" data-interval="120" '
+            'role="group" aria-label="paged pool explorer">')
+PANELS = """box => [...box.querySelectorAll('.kv-pool-panel')].map(p => {
+  const rows = [...p.querySelectorAll('tr[data-seq]')];
+  return {
+    title: p.querySelector('.kv-pool-title').textContent,
+    counts: Object.fromEntries(['used', 'cached', 'free'].map(k =>
+      [k, Number(p.querySelector('output[data-name=' + k + ']').dataset.value)])),
+    tables: Object.fromEntries(rows.map(r => [r.dataset.seq,
+      r.querySelector('[data-name=table]').textContent.split(', ').map(Number)])),
+    lengths: Object.fromEntries(rows.map(r => [r.dataset.seq, Number(r.querySelector('[data-name=length]').textContent)])),
+    grid: [...p.querySelectorAll('g.kv-block')].map(g => [Number(g.dataset.block), g.dataset.kind,
+      g.dataset.owners ? g.dataset.owners.split(' ') : [], Number(g.dataset.fill)]),
+    labels: [...p.querySelectorAll('g.kv-block')].map(g => (g.querySelectorAll('text')[1] || {}).textContent || ''),
+    events: [...p.querySelectorAll('.kv-pool-events li')].map(li => li.textContent),
+  }; })"""
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    import shutil
+
+    built = ROOT / "_build" / "html"
+    if not (built / "book" / "ch09_paging.html").is_file():
+        pytest.fail(f"{built} is not built: run `make book` (jupyter-book build) before the site tests")
+    out = tmp_path_factory.mktemp("pool-site") / "html"
+    shutil.copytree(built, out)
+    for name in ("explorers.js", "explorers.css", "pool-explorer.js", "pool-explorer.css"):
+        shutil.copy(ROOT / "js" / name, out / "_static" / name)
+    pool.write(out / "_static" / "pool-traces.js", {"kvlib": KVLIB, "vllm": VLLM})
+    page = (out / "book" / "ch09_paging.html").read_text(encoding="utf-8")
+    if "pool-explorer.js" not in page:  # a site built before _config.yml loaded it
+        page = re.sub(r'(<script src="../_static/explorers.js[^"]*"></script>)',
+                      r'\1<script src="../_static/pool-explorer.js"></script>', page)
+        page = re.sub(r'(<link rel="stylesheet" type="text/css" href="../_static/explorers.css[^"]*" />)',
+                      r'\1<link rel="stylesheet" type="text/css" href="../_static/pool-explorer.css" />', page)
+    paging = r'<div class="kv-explorer" data-explorer="paging"[^>]*>'
+    for name, traces in (("pool", "kvlib vllm"), ("pool-one", "kvlib"), ("pool-none", "nosuch")):
+        (out / "book" / f"{name}.html").write_text(re.sub(paging, POOL_DIV.format(traces=traces), page),
+                                                   encoding="utf-8")
+    return out
+
+
+def open_pool(browser, site, name="pool", **kw):  # noqa: F811
+    from test_explorers import open_explorer
+
+    page, box, external, errors = open_explorer(browser, site.as_uri(), f"book/{name}", "pool", **kw)
+    page.wait_for_function("b => b.dataset.pool", arg=box.element_handle(), timeout=10_000)
+    return page, box, external, errors
+
+
+def at_step(box, step: int) -> list[dict]:
+    box.locator('input[type="range"]').fill(str(step))
+    assert box.locator('output[data-name="step"]').get_attribute("data-value") == str(step)
+    return box.evaluate(PANELS)
+
+
+def agrees(js: dict, trace: dict, step: int) -> None:
+    """What the page shows is the trace's record and kvbook's reading of it."""
+    want, s = expected(trace, step), state_at(trace, step)
+    assert js["counts"] == want["counts"], step
+    assert js["tables"] == want["tables"] and js["lengths"] == want["lengths"], step
+    assert [(b, sorted(o), f) for b, _, o, f in js["grid"]] == want["grid"], step
+    kinds = {b: k for b, k, _, _ in js["grid"]}
+    assert sorted(b for b, k in kinds.items() if k == "cached") == s["cached_blocks"], step
+    assert js["events"] == [event_text(e) for e in s["events"]], step
+    assert js["title"] == pool._title(trace, s), step
+    assert js["labels"] == [pool._label(o) for _, _, o, _ in js["grid"]], step  # "2.1", or "×2" when shared
+
+
+def clean(page, external, errors):
+    assert external == [] and errors == [], (external, errors)
+    requests = page.evaluate("performance.getEntriesByType('resource').map(e => e.name)")
+    assert all(r.startswith("file://") for r in requests), [r for r in requests if not r.startswith("file:")]
+    page.context.close()
+
+
+def test_site_explorer_shows_the_python_reading(browser, site):  # noqa: F811
+    """Side by side, at every step and past the shorter trace's end, from file://."""
+    page, box, external, errors = open_pool(browser, site)
+    assert box.get_attribute("data-pool") == "ready"
+    a, b = load(KVLIB), load(VLLM)
+    slider = box.locator('input[type="range"]')
+    assert (slider.get_attribute("min"), slider.get_attribute("max")) == ("0", "10")
+    for step in range(0, 11):
+        left, right = at_step(box, step)
+        agrees(left, a, step)
+        agrees(right, b, step)
+        assert [p for p in shown(pool.step_html(a, step, b))][0]["counts"] == left["counts"]
+    clean(page, external, errors)
+
+
+def test_site_explorer_checks_as_kvbook_does(browser, site):  # noqa: F811
+    """The JavaScript's check refuses each bad trace with kvbook.pooltrace.check's own words."""
+    page, box, external, errors = open_pool(browser, site)
+    for change, error, _ in BAD:
+        t = json.loads(KVLIB.read_text())
+        change(t)
+        with pytest.raises(error) as e:
+            check(t)
+        js = page.evaluate("t => { try { kvPool.checkTrace(t); return null; } catch (e) { return e.message; } }", t)
+        assert js == str(e.value)
+    ok = page.evaluate("t => kvPool.checkTrace(t) === t || 'not the trace'", load(KVLIB))
+    assert ok is True
+    clean(page, external, errors)
+
+
+def test_site_explorer_plays(browser, site):  # noqa: F811
+    page, box, external, errors = open_pool(browser, site)
+    play = box.get_by_role("button", name="play", exact=True)
+    play.click()
+    assert play.get_attribute("aria-pressed") == "true"
+    step = box.locator('output[data-name="step"]')
+    page.wait_for_function("o => o.dataset.value === '10'", arg=step.element_handle(), timeout=10_000)
+    page.wait_for_timeout(300)
+    assert play.get_attribute("aria-pressed") == "false" and play.inner_text() == "▶ play"  # stopped at the end
+    agrees(box.evaluate(PANELS)[0], load(KVLIB), 10)
+    box.get_by_role("button", name="previous step").click()
+    assert step.get_attribute("data-value") == "9"
+    clean(page, external, errors)
+
+
+def test_site_explorer_loads_a_readers_trace(browser, site, tmp_path):  # noqa: F811
+    page, box, external, errors = open_pool(browser, site, "pool-none")
+    error = box.locator('[data-name="error"]')
+    assert box.get_attribute("data-pool") == "empty" and error.is_visible()
+    assert "No trace named nosuch" in error.inner_text()
+    files = box.locator('input[type="file"]')
+    files.set_input_files([str(VLLM), str(KVLIB)])  # two files: side by side, in the order given
+    page.wait_for_function("b => b.dataset.loaded", arg=box.element_handle())
+    assert box.get_attribute("data-loaded") == "ok" and not error.is_visible()
+    right, left = at_step(box, 6)[1], at_step(box, 6)[0]
+    agrees(left, load(VLLM), 6)
+    agrees(right, load(KVLIB), 6)
+    assert "pool-trace-vllm.json and pool-trace-kvlib.json" in box.locator('[data-name="source"]').inner_text()
+    bad = json.loads(KVLIB.read_text())
+    bad["steps"][3]["tables"]["2.1"] = [3, 4, 10]
+    (tmp_path / "mine.json").write_text(json.dumps(bad))
+    (tmp_path / "cut.json").write_text(KVLIB.read_text()[:500])
+    for name, words in (("mine.json", "steps[3].tables[2.1][2] is block 10, but the pool has blocks 0 to 9"),
+                        ("cut.json", "not JSON")):
+        box.evaluate("b => { delete b.dataset.loaded; }")
+        files.set_input_files(str(tmp_path / name))
+        page.wait_for_function("b => b.dataset.loaded", arg=box.element_handle())
+        assert box.get_attribute("data-loaded") == "error" and error.is_visible()
+        assert error.inner_text().startswith(f"{name}: ") and words in error.inner_text()
+        assert len(box.evaluate(PANELS)) == 2  # the traces shown before stay
+    files.set_input_files(str(KVLIB))  # one file: one panel
+    page.wait_for_function("b => !b.querySelector('[data-name=error]').textContent", arg=box.element_handle())
+    [one] = at_step(box, 3)
+    agrees(one, load(KVLIB), 3)
+    clean(page, external, errors)
+
+
+@pytest.mark.parametrize("name", ["pool", "pool-one"])
+def test_site_explorer_fits_a_phone(browser, site, name):  # noqa: F811
+    """At 390 px nothing sticks out, at the busiest step; the controls are 44 px tap targets."""
+    page, box, external, errors = open_pool(browser, site, name, width=390, height=844)
+    at_step(box, 6)
+    page.wait_for_timeout(200)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    inside = box.evaluate("""b => {
+        const r = b.getBoundingClientRect(), out = [];
+        if (b.scrollWidth > b.clientWidth) out.push('box scrolls: ' + b.scrollWidth + ' > ' + b.clientWidth);
+        for (const e of b.querySelectorAll('*')) {
+          const q = e.getBoundingClientRect();
+          if (q.width && (q.left < r.left - 0.5 || q.right > r.right + 0.5))
+            out.push(e.tagName + '.' + e.getAttribute('class') + ' ' + Math.round(q.left) + '..' + Math.round(q.right));
+        }
+        return out; }""")
+    assert inside == [], inside[:5]
+    small = box.locator("button, input").evaluate_all(
+        "es => es.map(e => [e.type, e.getBoundingClientRect().height]).filter(([t, h]) => h < 44)")
+    assert small == [], small
+    clean(page, external, errors)
+
+
+@pytest.mark.parametrize("theme", ["dark", "light"])
+def test_site_explorer_is_legible_in_both_themes(browser, site, theme):  # noqa: F811
+    from test_explorers import CONTRAST
+
+    page, box, external, errors = open_pool(browser, site, theme=theme)
+    at_step(box, 4)
+    result = box.evaluate(CONTRAST)
+    assert result["n"] > 10 and result["bad"] == [], result["bad"][:6]
+    from test_site import SHOTS
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    box.screenshot(path=str(SHOTS / f"explorer-pool-{theme}.png"))
+    clean(page, external, errors)
