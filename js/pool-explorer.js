@@ -16,7 +16,8 @@
   const FORMAT = "kv-pool-trace/1";
   const COUNTS = ["used", "cached", "free"];
   const EVENT_FIELDS = { admit: ["seq"], hit: ["seq", "blocks"], allocate: ["seq", "blocks"],
-                         seal: ["blocks"], cow: ["seq", "from", "to"], evict: ["blocks"],
+                         seal: ["blocks"], cow: ["seq", "from", "to"], fork: ["seq", "parent", "blocks"],
+                         evict: ["blocks"],
                          preempt: ["seq", "blocks"], free: ["seq", "blocks"] };
   // kvbook.pool.PALETTE and CACHED: Okabe-Ito without black, and grey for cached blocks
   const PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442"];
@@ -48,15 +49,10 @@
     if (!Array.isArray(bs)) fail(where + " must be a list of block ids, got " + show(bs));
     return bs.map((b, i) => block(where + "[" + i + "]", b, n));
   }
-  function knownSeq(requests, seq) {  // "3", or a sample of it, "3.1"
-    if (typeof seq !== "string") return false;
-    const dot = seq.lastIndexOf(".");
-    return has(requests, seq) || (has(requests, dot < 0 ? "" : seq.slice(0, dot)));
-  }
-  function seq(where, s, requests) {
-    if (!knownSeq(requests, s))
+  function seq(where, s, requests) {  // a key the requests list: "3", or "3.1" for a sample of 3
+    if (typeof s !== "string" || !has(requests, s))
       fail(where + " names sequence " + show(s) + ", which is not among the requests (" +
-           (Object.keys(requests).join(", ") || "none") + ") nor a sample of one (\"rid.i\")");
+           (Object.keys(requests).sort(cmp).join(", ") || "none") + ")");
     return s;
   }
   function object(where, x) {
@@ -69,7 +65,7 @@
     if (typeof kind !== "string") fail(where + ".kind must be a string, got " + show(kind));
     for (const key of (has(EVENT_FIELDS, kind) ? EVENT_FIELDS[kind] : [])) {  // unknown kinds: skipped
       const v = field(e, key, where + " (" + kind + ")");
-      if (key === "seq") seq(where + ".seq", v, requests);
+      if (key === "seq" || key === "parent") seq(where + "." + key, v, requests);
       else if (key === "blocks") blocks(where + ".blocks", v, n);
       else block(where + "." + key, v, n);
     }
@@ -179,6 +175,7 @@
     if (k === "hit") return "prefix hit " + e.seq + ": reuses " + ids(e.blocks);
     if (k === "allocate" || k === "free") return k + " " + e.seq + ": " + ids(e.blocks);
     if (k === "seal") return "seal " + ids(e.blocks) + " (full: its prefix can be reused)";
+    if (k === "fork") return "fork " + e.seq + " from " + e.parent + ": shares " + ids(e.blocks);
     if (k === "cow") return "copy-on-write " + e.seq + ": block " + e.from + " → " + e.to;
     if (k === "evict") return "evict " + ids(e.blocks) + " (its cached prefix dropped)";
     if (k === "preempt") return "preempt " + e.seq + ": gives back " + ids(e.blocks);

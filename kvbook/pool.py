@@ -63,6 +63,8 @@ def event_text(e: dict) -> str:
         return f"{kind} {e['seq']}: {_ids(e['blocks'])}"
     if kind == "seal":
         return f"seal {_ids(e['blocks'])} (full: its prefix can be reused)"
+    if kind == "fork":
+        return f"fork {e['seq']} from {e['parent']}: shares {_ids(e['blocks'])}"
     if kind == "cow":
         return f"copy-on-write {e['seq']}: block {e['from']} → {e['to']}"
     if kind == "evict":

@@ -3,7 +3,7 @@
 A trace (format ``kv-pool-trace/1``, described in `kvlib.paged`'s recorder and in the
 book's back matter) is one JSON object per run of a paged serving engine: the pool's size,
 the requests, and for each scheduler step the block events in order (``admit``, ``hit``,
-``allocate``, ``seal``, ``cow``, ``evict``, ``preempt``, ``free``) and the state after it:
+``allocate``, ``seal``, ``cow``, ``fork``, ``evict``, ``preempt``, ``free``) and the state after it:
 every sequence's block table, its length in tokens, and the counts of used, cached and free
 blocks. kvlib's engine writes one, and so does the vLLM side of the cross-check.
 
@@ -29,7 +29,8 @@ FORMAT = "kv-pool-trace/1"
 COUNTS = ("used", "cached", "free")
 # The fields each event kind carries beyond "kind" (unknown kinds are skipped, as the format says).
 EVENT_FIELDS = {"admit": ("seq",), "hit": ("seq", "blocks"), "allocate": ("seq", "blocks"),
-                "seal": ("blocks",), "cow": ("seq", "from", "to"), "evict": ("blocks",),
+                "seal": ("blocks",), "cow": ("seq", "from", "to"), "fork": ("seq", "parent", "blocks"),
+                "evict": ("blocks",),
                 "preempt": ("seq", "blocks"), "free": ("seq", "blocks")}
 
 
@@ -82,15 +83,11 @@ def _blocks(where: str, blocks, n: int) -> list:
     return [_block(f"{where}[{i}]", b, n) for i, b in enumerate(blocks)]
 
 
-def known_seq(requests: dict, seq) -> bool:
-    """A sequence key names a request (``"3"``) or one of its samples (``"3.1"``)."""
-    return isinstance(seq, str) and (seq in requests or seq.rpartition(".")[0] in requests)
-
-
 def _seq(where: str, seq, requests: dict) -> str:
-    if not known_seq(requests, seq):
+    """A sequence key the trace's requests list (``"3"``, or ``"3.1"`` for a sample of request 3)."""
+    if not isinstance(seq, str) or seq not in requests:
         raise ValueError(f"{where} names sequence {_show(seq)}, which is not among the requests "
-                         f"({', '.join(requests) or 'none'}) nor a sample of one (\"rid.i\")")
+                         f"({', '.join(sorted(requests, key=seq_key)) or 'none'})")
     return seq
 
 
@@ -107,8 +104,8 @@ def _check_event(where: str, e, n: int, requests: dict) -> None:
         raise TypeError(f"{where}.kind must be a string, got {_show(kind)}")
     for key in EVENT_FIELDS.get(kind, ()):  # an unknown kind is skipped: the format's forward compatibility
         v = _field(e, key, f"{where} ({kind})")
-        if key == "seq":
-            _seq(f"{where}.seq", v, requests)
+        if key in ("seq", "parent"):
+            _seq(f"{where}.{key}", v, requests)
         elif key == "blocks":
             _blocks(f"{where}.blocks", v, n)
         else:
