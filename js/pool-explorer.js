@@ -137,8 +137,7 @@
       current = s;
       for (const e of s.events) {
         if (e.kind === "seal") e.blocks.forEach(b => sealed.add(b));
-        else if (e.kind === "evict" || e.kind === "allocate") e.blocks.forEach(b => sealed.delete(b));
-        else if (e.kind === "cow") sealed.delete(e.to);
+        else if (e.kind === "evict") e.blocks.forEach(b => sealed.delete(b));
       }
     }
     const tables = {}, owners = new Map(), fill = new Map();

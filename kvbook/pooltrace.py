@@ -184,8 +184,8 @@ def state_at(trace: dict, step: int) -> dict:
     before the first, an empty pool), its ``events`` if it is that very step, its ``tables``,
     ``lengths`` and ``counts`` (the tables in `seq_key` order); and per block, its ``owners`` (the sequences whose tables hold
     it), ``fill`` (the most tokens any owner keeps in it) and whether it is ``cached``: free,
-    and sealed by a ``seal`` event not undone since (by ``evict``, or by reuse as a fresh
-    ``allocate`` or ``cow`` target). ``cached_blocks`` may differ from ``counts["cached"]``
+    and sealed by a ``seal`` event with no ``evict`` since (the format evicts a sealed block
+    before an ``allocate`` or a ``cow`` hands it out again). ``cached_blocks`` may differ from ``counts["cached"]``
     where a trace's events miss something (its ``missing`` says what): the counts are the
     engine's, the blocks a replay of its events."""
     n, size = trace["num_blocks"], trace["block_size"]
@@ -199,10 +199,8 @@ def state_at(trace: dict, step: int) -> dict:
             kind = e.get("kind")
             if kind == "seal":
                 sealed.update(e["blocks"])
-            elif kind in ("evict", "allocate"):
+            elif kind == "evict":  # a sealed block is evicted before it is handed out again
                 sealed.difference_update(e["blocks"])
-            elif kind == "cow":
-                sealed.discard(e["to"])
     if current is None:
         tables, lengths, counts, events = {}, {}, {"used": 0, "cached": 0, "free": n}, []
     else:

@@ -440,6 +440,13 @@ def test_site_explorer_loads_a_readers_trace(browser, site, tmp_path):  # noqa: 
     [one] = at_step(box, 3)
     agrees(one, load(KVLIB), 3)
     clean(page, external, errors)
+    page, box, external, errors = open_pool(browser, site)  # shipped traces shown, no error until a bad file
+    error = box.locator('[data-name="error"]')
+    assert not error.is_visible()
+    box.locator('input[type="file"]').set_input_files(str(tmp_path / "mine.json"))
+    page.wait_for_function("b => b.dataset.loaded", arg=box.element_handle())
+    assert error.is_visible() and error.inner_text().startswith("mine.json: steps[3]")
+    clean(page, external, errors)
 
 
 @pytest.mark.parametrize("name", ["pool", "pool-one"])
