@@ -42,7 +42,8 @@
   }
   function block(where, b, n) {
     int(where, b);
-    if (b >= n) fail(where + " is block " + b + ", but the pool has blocks 0 to " + (n - 1) + " (num_blocks " + n + ")");
+    if (b >= n)
+      fail(where + " is block " + b + ", but the pool has blocks 0 to " + (n - 1) + " (num_blocks " + n + ")");
     return b;
   }
   function blocks(where, bs, n) {
@@ -82,7 +83,8 @@
     }
     const odd = Object.keys(lengths).filter(k => !has(tables, k))
       .concat(Object.keys(tables).filter(k => !has(lengths, k))).sort();
-    if (odd.length) fail(where + ": lengths and tables must name the same sequences; only one of them names " + odd.join(", "));
+    if (odd.length)
+      fail(where + ": lengths and tables must name the same sequences; only one of them names " + odd.join(", "));
     for (const [k, length] of Object.entries(lengths)) {
       int(where + ".lengths[" + k + "]", length);
       if (length > tables[k].length * size)
@@ -97,7 +99,8 @@
       fail(where + ".counts: cached " + c.cached + " must be at most free " + c.free +
            " (cached blocks are free blocks that still hold a prefix)");
     const held = new Set(Object.values(tables).flat()).size;
-    if (held !== c.used) fail(where + ".counts: used is " + c.used + ", but the tables hold " + held + " distinct blocks");
+    if (held !== c.used)
+      fail(where + ".counts: used is " + c.used + ", but the tables hold " + held + " distinct blocks");
   }
   function checkTrace(t) {  // kvbook.pooltrace.check
     object("the trace", t);
@@ -127,7 +130,8 @@
     return x.length - y.length;
   }
   function stepRange(traces) {  // kvbook.pooltrace.step_range
-    return [Math.min(...traces.map(t => t.steps[0].step)), Math.max(...traces.map(t => t.steps[t.steps.length - 1].step))];
+    return [Math.min(...traces.map(t => t.steps[0].step)),
+            Math.max(...traces.map(t => t.steps[t.steps.length - 1].step))];
   }
   function stateAt(trace, step) {  // kvbook.pooltrace.state_at
     const n = trace.num_blocks, size = trace.block_size, sealed = new Set();
@@ -170,7 +174,8 @@
   const ids = bs => (bs.length === 1 ? "block " : "blocks ") + bs.join(", ");
   function eventText(e) {  // kvbook.pool.event_text
     const k = e.kind;
-    if (k === "admit") return "admit " + e.seq + (e.cached_tokens == null ? "" : " (" + e.cached_tokens + " tokens cached)");
+    if (k === "admit")
+      return "admit " + e.seq + (e.cached_tokens == null ? "" : " (" + e.cached_tokens + " tokens cached)");
     if (k === "hit") return "prefix hit " + e.seq + ": reuses " + ids(e.blocks);
     if (k === "allocate" || k === "free") return k + " " + e.seq + ": " + ids(e.blocks);
     if (k === "seal") return "seal " + ids(e.blocks) + " (full: its prefix can be reused)";
@@ -208,7 +213,8 @@
       const tip = "block " + b + ": " + (own.length ? own.join(", ") + ", " + f + " of " + size + " tokens" : kind);
       svg.push('<g class="kv-block" data-block="' + b + '" data-kind="' + kind + '" data-owners="' + esc(own.join(" ")) +
                '" data-fill="' + f + '"><title>' + esc(tip) + "</title>");
-      svg.push('<text class="kv-block-id" x="' + x + '" y="' + (y + 10) + '" font-size="9" fill="currentColor">' + b + "</text>");
+      svg.push('<text class="kv-block-id" x="' + x + '" y="' + (y + 10) + '" font-size="9" fill="currentColor">' +
+               b + "</text>");
       if (owner) svg.push('<text x="' + (x + CELL) + '" y="' + (y + 10) + '" font-size="10" font-weight="600" ' +
                           'text-anchor="end" fill="currentColor">' + esc(owner) + "</text>");
       const box = 'x="' + (x + 0.5) + '" y="' + (ty + 0.5) + '" width="' + (CELL - 1) + '" height="' + (TANK - 1) + '"';
@@ -229,12 +235,8 @@
   }
 
   // -- the explorer ------------------------------------------------------------------------------
-  function el(tag, attrs, text) {
-    const e = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-    if (text !== undefined) e.textContent = text;
-    return e;
-  }
+  // explorers.js's element maker (window.kvExplorerKit), which loads first and calls poolExplorer
+  const el = (tag, attrs, text) => window.kvExplorerKit.el(tag, attrs, text);
   let uid = 0;
 
   function panel(trace, step, palette) {
@@ -248,7 +250,9 @@
     });
     p.append(counts);
     const pic = el("div", { class: "kv-picture" });
-    p.draw = () => { pic.innerHTML = gridSvg(trace, s, palette, Math.max(120, Math.min(pic.clientWidth || 320, 700))); };
+    p.draw = () => {  // at the picture's width, once the panel is laid out
+      pic.innerHTML = gridSvg(trace, s, palette, Math.max(120, Math.min(pic.clientWidth || 320, 700)));
+    };
     p.append(pic);
     if (s.cached_blocks.length !== s.counts.cached)
       p.append(el("p", { class: "kv-note" }, "The events mark " + s.cached_blocks.length +
@@ -295,7 +299,8 @@
 
   function poolExplorer(box) {
     const form = el("div", { class: "kv-pool-controls" });
-    const play = el("button", { type: "button", class: "kv-button", "aria-label": "play", "aria-pressed": "false" }, "▶ play");
+    const play = el("button", { type: "button", class: "kv-button", "aria-label": "play", "aria-pressed": "false" },
+                    "▶ play");
     const prev = el("button", { type: "button", class: "kv-button", "aria-label": "previous step" }, "‹");
     const next = el("button", { type: "button", class: "kv-button", "aria-label": "next step" }, "›");
     const id = "kv-pool-step-" + (++uid);
@@ -334,7 +339,12 @@
       stop();
       draw();
     }
-    function stop() { if (timer) clearInterval(timer); timer = null; play.textContent = "▶ play"; play.setAttribute("aria-pressed", "false"); }
+    function stop() {
+      if (timer) clearInterval(timer);
+      timer = null;
+      play.textContent = "▶ play";
+      play.setAttribute("aria-pressed", "false");
+    }
     function go(delta) { slider.value = String(Number(slider.value) + delta); draw(); }
     play.addEventListener("click", () => {
       if (timer) { stop(); return; }
@@ -361,7 +371,8 @@
         const bad = list.filter(x => x instanceof Error);
         error.textContent = bad.map(e => e.message).join(" ");
         error.hidden = !bad.length;
-        if (!bad.length) use(list, "Your trace" + (list.length > 1 ? "s: " : ": ") + files.map(f => f.name).join(" and "));
+        if (!bad.length)
+          use(list, "Your trace" + (list.length > 1 ? "s: " : ": ") + files.map(f => f.name).join(" and "));
         box.dataset.loaded = bad.length ? "error" : "ok";
       });
     });
@@ -390,7 +401,9 @@
     }
     if (typeof ResizeObserver !== "undefined") {
       let last = box.clientWidth;
-      new ResizeObserver(() => { if (box.clientWidth !== last && traces.length) { last = box.clientWidth; draw(); } }).observe(box);
+      new ResizeObserver(() => {
+        if (box.clientWidth !== last && traces.length) { last = box.clientWidth; draw(); }
+      }).observe(box);
     }
   }
 
