@@ -15,7 +15,7 @@ widget front end (a terminal, nbval) the panel shows its first step, or ``step``
 (`step_text`). The website's explorer (``js/pool-explorer.js``, ``data-explorer="pool"``)
 draws the same view from the traces `write` ships as a script::
 
-    python -m kvbook.pool js/pool-traces.js ch12-kvlib=kvlib.json ch12-vllm=vllm.json
+    python -m kvbook.pool js/pool-traces.js ch12-kvlib=kvlib.json ch12-vllm=record.json#vllm
 """
 
 from __future__ import annotations
@@ -285,18 +285,31 @@ def read_script(text: str) -> dict:
     return json.loads(text[len(_HEAD):-2])
 
 
+def source(spec) -> dict:
+    """A trace from a dict, a JSON file's path, or ``"record.json#key"``: the trace stored
+    under ``key`` in a record holding several (vllmcheck's ``pool_trace_cpu.json#vllm``)."""
+    if isinstance(spec, str) and "#" in spec:
+        path, _, key = spec.rpartition("#")
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(record, dict) or key not in record:
+            keys = ", ".join(record) if isinstance(record, dict) else "none"
+            raise ValueError(f"{path} holds no trace under {key!r} (its keys: {keys})")
+        return load(record[key])
+    return load(spec)
+
+
 def write(path: str | Path, traces: dict) -> Path:
-    """Write `script` of ``traces`` (name -> trace dict or JSON path) to ``path``, a ``.js`` file."""
+    """Write `script` of ``traces`` (name -> anything `source` reads) to ``path``, a ``.js`` file."""
     path = Path(path)
     if path.suffix != ".js":
         raise ValueError(f"the pool traces are a script: write them to a .js file, not {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(script({name: load(t) for name, t in traces.items()}))
+    path.write_text(script({name: source(t) for name, t in traces.items()}))
     return path
 
 
 if __name__ == "__main__":
     pairs = [a.partition("=") for a in sys.argv[2:]]
     if len(sys.argv) < 2 or any(not sep for _, sep, _ in pairs):
-        raise SystemExit("usage: python -m kvbook.pool OUT.js [NAME=TRACE.json ...]")
+        raise SystemExit("usage: python -m kvbook.pool OUT.js [NAME=TRACE.json | NAME=RECORD.json#KEY ...]")
     print(f"wrote {write(sys.argv[1], {name: p for name, _, p in pairs})}")

@@ -277,6 +277,17 @@ def test_site_script_round_trips(tmp_path):
         pool.script({"two words": load(KVLIB)})
     with pytest.raises(ValueError, match=r"\.js"):
         pool.write(tmp_path / "traces.json", {"kvlib": KVLIB})
+    record = tmp_path / "record.json"  # a record holding both, as vllmcheck stores them
+    record.write_text(json.dumps({"kvlib": load(KVLIB), "vllm": load(VLLM), "checks": []}))
+    path = pool.write(tmp_path / "both.js", {"a": f"{record}#vllm", "b": f"{record}#kvlib"})
+    assert pool.read_script(path.read_text()) == {"a": load(VLLM), "b": load(KVLIB)}
+    with pytest.raises(ValueError, match="holds no trace under 'sglang' \\(its keys: kvlib, vllm, checks\\)"):
+        pool.source(f"{record}#sglang")
+    run = subprocess.run([sys.executable, "-m", "kvbook.pool", str(tmp_path / "cli.js"), f"x={KVLIB}",
+                          f"y={record}#vllm"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    assert pool.read_script((tmp_path / "cli.js").read_text()) == {"x": load(KVLIB), "y": load(VLLM)}
     broken = copy.deepcopy(load(KVLIB))
     broken["steps"][0]["tables"]["0"] = [0, 12]
     with pytest.raises(IndexError, match="block 12, but the pool has blocks 0 to 9"):
