@@ -34,8 +34,11 @@ EVENT_FIELDS = {"admit": ("seq",), "hit": ("seq", "blocks"), "allocate": ("seq",
                 "preempt": ("seq", "blocks"), "free": ("seq", "blocks")}
 
 
-def load(trace: dict | str | Path) -> dict:
-    """A checked trace from a dict, or from the path of a JSON file (`check` says what is wrong)."""
+def load(trace) -> dict:
+    """A checked trace from a dict, a recorder (anything with ``to_dict()``, such as
+    `kvlib.paged.PoolTrace`), or the path of a JSON file (`check` says what is wrong)."""
+    if hasattr(trace, "to_dict"):
+        trace = trace.to_dict()
     if isinstance(trace, (str, Path)):
         path = Path(trace)
         if not path.is_file():

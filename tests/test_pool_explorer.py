@@ -138,6 +138,14 @@ def test_fixtures_replay_with_kvlibs_own_reader(path):
     replay.validate(json.loads(path.read_text()))
 
 
+def test_a_recorder_is_read_through_its_to_dict():
+    class Recorder:  # what kvlib.paged.PoolTrace offers a reader
+        def to_dict(self):
+            return json.loads(KVLIB.read_text())
+
+    assert load(Recorder()) == load(KVLIB)
+
+
 def test_a_file_that_is_not_a_trace(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": "kv-pool-trace/1",')
     with pytest.raises(ValueError, match=r"bad\.json is not JSON \(.* line 1"):
