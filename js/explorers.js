@@ -510,6 +510,8 @@
   // An explorer in a file of its own registers itself before the page is ready:
   // window.kvExplorers = Object.assign(window.kvExplorers || {}, { name: function (box, data) {...} }).
   const explorerOf = name => EXPLORERS[name] || (window.kvExplorers || {})[name];
+  // What such a file may use of this one: its element maker and its escaping of text for SVG.
+  window.kvExplorerKit = { el: el, esc: esc };
 
   // The data is a script, explorers-data.js, that sets window.kvExplorerData (written by
   // `python -m kvbook.web`). A script, not a JSON file to fetch: a page opened from disk

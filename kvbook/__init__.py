@@ -5,6 +5,9 @@
 * `kvbook.diagrams`: pictures of the ideas, drawn before they are measured;
 * `kvbook.explorer`: the ipywidgets panel over `kvlib.memory`'s arithmetic;
 * `kvbook.web`: the website explorers' data (``python -m kvbook.web OUT.js``);
+* `kvbook.pool`: step through a paged pool's trace, one engine or two side by side
+  (``pool_explorer``), and the website's copy of the traces (``python -m kvbook.pool OUT.js``);
+  `kvbook.pooltrace` reads and checks a trace;
 * `kvbook.requires`: a cell that needs a newer library than the reader has says so
   and skips itself (``%%requires transformers>=5.0``);
 * `kvbook.reader`: the reader edition of a chapter, the notebook Colab and the
