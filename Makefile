@@ -16,9 +16,12 @@ setup:
 ready:
 	@./scripts/once.sh setup $(PY) requirements.txt pyproject.toml -- $(MAKE) --no-print-directory setup
 
+TRACES = vllmcheck/data/pool_trace_cpu.json  # both engines' pools on chapter 12's requests
+
 book: ready
 	rm -rf _build/html  # Sphinx does not overwrite a changed static file; the executed notebooks stay cached in _build/.jupyter_cache
 	$(PY) -m kvbook.web js/explorers-data.js  # the explorers' presets and tables, from kvlib itself
+	$(PY) -m kvbook.pool js/pool-traces.js ch12-kvlib=$(TRACES)#kvlib ch12-vllm=$(TRACES)#vllm  # the pool explorer's runs
 	.ci/phase book jupyter-book build -W -n --keep-going .  # .ci/phase: timed for CI's table
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 

@@ -281,3 +281,21 @@ def test_rename_keys_every_sequence_by_the_workloads_names(recorded):
     forks = [e for s in d["steps"] for e in s["events"] if e["kind"] == "fork"]
     assert forks[0]["parent"] == "group.0" and forks[0]["seq"] == "group.1"
     PoolTrace.from_dict(d)  # still a trace that replays
+
+
+def test_kvlibs_side_of_the_stored_traces_is_what_kvlib_does_today(smollm2):
+    """The stored kvlib trace (chapter 9.x and 12.x play it) is re-recorded here, without vLLM: every
+    step's events, tables, lengths and counts must be the stored ones. The requests' lengths are
+    fixed (``ignore_eos``), so the pool's life does not depend on which tokens come out."""
+    import vllmcheck
+    from vllmcheck.kvlib_side import run as run_kvlib
+
+    model, tok = smollm2
+    scenario = vllmcheck.serving(model.config, vllmcheck.serving_prompts(tok))
+    assert scenario in vllmcheck.load_record()["scenarios"]  # the requests the record ran
+    fresh = run_kvlib(scenario, model, trace=True)["trace"]
+    stored_trace = stored()["kvlib"]
+    assert len(fresh["steps"]) == len(stored_trace["steps"])
+    for new, old in zip(fresh["steps"], stored_trace["steps"]):
+        assert new == old, f"step {old['step']}"
+    assert "trace" not in run_kvlib(scenario, model)  # tracing only when asked

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     text_ids = tok.encode(data.tiny_shakespeare("all"))
     work = [s for s in scenarios(model.config, text_ids, spec_prompts(tok), serving_prompts(tok))
             if not args.only or s["name"] in args.only]
-    record = run(model, work, args.python, log=lambda line: print(line, flush=True))
+    record = run(model, work, args.python, log=lambda line: print(line, flush=True), trace={"serving"})
     traces = {side: record[side].get("serving", {}).pop("trace", None) for side in ("kvlib", "vllm")}
     checks = [Check(**c) for c in record["checks"]]
     for c in checks:

@@ -13,6 +13,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from kvlib.model import Transformer
@@ -31,13 +32,15 @@ def export(out: str) -> None:
     print(f"SmolLM2 in Hugging Face format: {out}")
 
 
-def run_vllm(python: Path, scenario: dict, model_dir: Path, timeout: int = 900) -> dict:
-    """One scenario through vLLM, in its own process (a fresh engine each time)."""
+def run_vllm(python: Path, scenario: dict, model_dir: Path, timeout: int = 900, *, trace: bool = False) -> dict:
+    """One scenario through vLLM, in its own process (a fresh engine each time); ``trace``: record
+    its pool step by step (`vllmcheck.vllm_trace`), as ``result["trace"]``."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error", "VLLM_LOGGING_LEVEL": "INFO"}
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"scenario": scenario, "model_dir": str(model_dir)}))
+        spec.write_text(json.dumps({"scenario": scenario, "model_dir": str(model_dir),
+                                    "options": {"trace": True} if trace else {}}))
         t0 = time.perf_counter()
         proc = subprocess.run([str(python), "-m", "vllmcheck.vllm_side", str(spec), str(out)], env=env,
                               capture_output=True, text=True, timeout=timeout)
@@ -52,13 +55,15 @@ def run_vllm(python: Path, scenario: dict, model_dir: Path, timeout: int = 900) 
 
 
 def run(model: Transformer, scenarios: list[dict], python: Path | None = None, model_dir: Path | None = None, *,
-        log=None) -> dict:
+        log=None, trace: Collection[str] = ()) -> dict:
     """Every scenario through kvlib (2 threads) and then vLLM (``OMP_NUM_THREADS=2``), one after
     the other on the same machine, and the checks: the record `load_record` reads back.
 
     ``python``: vLLM's interpreter (default `vllm_python()`); ``model_dir``: SmolLM2 in Hugging Face
     format (default ``smollm2-hf`` in that environment, where ``make vllm`` writes it); ``log``: a
-    function given one line per scenario, or None.
+    function given one line per scenario, or None; ``trace``: the names of the scenarios whose pools
+    both engines record step by step (a scenario is the requests and settings; a trace only
+    watches them), kept as ``record[side][name]["trace"]``.
     """
     import torch
 
@@ -73,9 +78,9 @@ def run(model: Transformer, scenarios: list[dict], python: Path | None = None, m
     for s in scenarios:
         t0 = time.perf_counter()
         with threads(2):
-            record["kvlib"][s["name"]] = run_kvlib(s, model)
+            record["kvlib"][s["name"]] = run_kvlib(s, model, trace=s["name"] in trace)
         t1 = time.perf_counter()
-        record["vllm"][s["name"]] = v = run_vllm(python, s, model_dir)
+        record["vllm"][s["name"]] = v = run_vllm(python, s, model_dir, trace=s["name"] in trace)
         if log:
             log(f"{s['name']:9s} kvlib {t1 - t0:5.1f} s, vLLM {time.perf_counter() - t1:5.1f} s"
                 + (f"  ({v['error']})" if "error" in v else ""))

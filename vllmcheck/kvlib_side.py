@@ -10,7 +10,7 @@ compared field by field:
 * the FP8 scenario generates with `kvlib.quant.FP8Cache` at vLLM's default scale of 1.0;
 * the n-gram scenario runs `kvlib.speculative.speculative_generate` with a
   `PromptLookupDraft` of the same n-gram range and ``k``;
-* a traced scenario (chapter 12's, ``"trace": True``) records the pool with `kvlib.paged.PoolTrace`,
+* a traced scenario (chapter 12's, `vllmcheck.run(..., trace={"serving"})`) records the pool with `kvlib.paged.PoolTrace`,
   its sequences keyed by the workload's request ids.
 """
 
@@ -60,8 +60,9 @@ def _serve_phase(engine: Engine, phase: list[dict], done: dict, names: dict | No
             "counters": {"preemptions": engine.stats.preemptions - preempt0}}
 
 
-def run(scenario: dict, model: Transformer) -> dict:
-    """One scenario through kvlib: the record `compare` reads beside vLLM's."""
+def run(scenario: dict, model: Transformer, trace: bool = False) -> dict:
+    """One scenario through kvlib: the record `compare` reads beside vLLM's; ``trace``: record the
+    pool step by step (`kvlib.paged.PoolTrace`), as ``result["trace"]``."""
     s, cfg = scenario, model.config
     result: dict = {"scenario": s["name"]}
     llm = s["llm"]
@@ -92,7 +93,7 @@ def run(scenario: dict, model: Transformer) -> dict:
     def fresh() -> Engine:
         cache = PagedCache.for_model(model, num_blocks=num_blocks, block_size=llm["block_size"], prefix_caching=True)
         return Engine(model, cache, max_batch=llm["max_num_seqs"], token_budget=s["kvlib"]["token_budget"],
-                      trace=PoolTrace() if s.get("trace") else None)
+                      trace=PoolTrace() if trace else None)
 
     engine = fresh()
     result["num_blocks"] = num_blocks

@@ -67,7 +67,7 @@ def _run_phase(llm, phase: list[dict], params_of, done: dict, trace=None) -> dic
     return {"requests": records, "steps": step, "seconds": time.perf_counter() - t0}
 
 
-def run(scenario: dict, model_dir: str) -> dict:
+def run(scenario: dict, model_dir: str, trace: bool = False) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -78,7 +78,7 @@ def run(scenario: dict, model_dir: str) -> dict:
     result: dict = {"scenario": scenario["name"], "vllm": vllm.__version__}
     t0 = time.perf_counter()
     extra = {}
-    if scenario.get("trace"):  # vLLM's KV-cache events, kept by the trace in this process (no publisher)
+    if trace:  # vLLM's KV-cache events, kept by the trace in this process (no publisher)
         from vllm.config import KVEventsConfig
         extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     try:
@@ -101,30 +101,30 @@ def run(scenario: dict, model_dir: str) -> dict:
         llm.reset_prefix_cache()
     done: dict = {}
     result["phases"] = []
-    trace = None
-    if scenario.get("trace"):
+    pool = None
+    if trace:
         from .vllm_trace import VllmPoolTrace
-        trace = VllmPoolTrace(llm)
+        pool = VllmPoolTrace(llm)
     for phase in scenario["phases"]:
         before = counters(llm)
-        rec = _run_phase(llm, phase, params_of, done, trace)
+        rec = _run_phase(llm, phase, params_of, done, pool)
         after = counters(llm)
         rec["counters"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
         done.update(rec["requests"])
         result["phases"].append(rec)
-    if trace is not None:
-        result["trace"] = trace.trace
+    if pool is not None:
+        result["trace"] = pool.trace
     return result
 
 
 def serve_spec(argv: list[str], run_scenario, doc: str | None) -> int:
     """A vLLM-side script's entry point: ``SPEC.json OUT.json``; the spec's scenario run by
-    ``run_scenario(scenario, model_dir)``, its result written as JSON."""
+    ``run_scenario(scenario, model_dir, **options)``, its result written as JSON."""
     if len(argv) != 2:
         print(doc, file=sys.stderr)
         return 2
     spec = json.loads(open(argv[0]).read())
-    result = run_scenario(spec["scenario"], spec["model_dir"])
+    result = run_scenario(spec["scenario"], spec["model_dir"], **spec.get("options", {}))
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0

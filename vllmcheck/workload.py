@@ -162,8 +162,9 @@ def serving(config: ModelConfig, prompts: list[list[int]], new: int = 48, pool_b
     Phase 1 serves the prompts together from a pool of ``pool_blocks`` blocks of 32 (one
     of them vLLM's null block), too few for all of them to finish without a preemption
     when they are long enough. Phase 2 sends each one's follow-up turn (its prompt, its
-    reply, and a newline), whose first full blocks the prefix cache still holds. Both
-    engines record their pool step by step (``"trace"``), compared by `vllmcheck.traces`.
+    reply, and a newline), whose first full blocks the prefix cache still holds. The cross-check
+    also records both engines' pools on it, step by step (`vllmcheck.run`'s ``trace``), compared
+    by `vllmcheck.traces`.
     """
     if not prompts or any(len(p) + new > max_model_len for p in prompts):
         raise ValueError(f"every prompt plus {new} new tokens must fit max_model_len={max_model_len}, "
@@ -173,5 +174,4 @@ def serving(config: ModelConfig, prompts: list[list[int]], new: int = 48, pool_b
     llm = {"dtype": "float32", "max_model_len": max_model_len, "block_size": BLOCK_SIZE, "max_num_seqs": MAX_SEQS,
            "enforce_eager": True, "seed": 0, "max_num_batched_tokens": budget,
            "kv_cache_memory_bytes": pool_blocks * block_bytes(config)}
-    return {"name": "serving", "llm": llm, "phases": [first, follow], "kvlib": {"token_budget": budget},
-            "trace": True}  # both engines record their pool (kvlib.paged.PoolTrace; vllmcheck.vllm_trace)
+    return {"name": "serving", "llm": llm, "phases": [first, follow], "kvlib": {"token_budget": budget}}
