@@ -526,13 +526,22 @@
     }
     return parts.join(", ") || "none";
   }
+  // One cell of a grid: filled with `color`, or a faint grey when `color` is null (off).
+  function square(cls, data, x, y, cell, color) {
+    return '<rect class="' + cls + '" ' + data + ' x="' + x.toFixed(1) + '" y="' + y.toFixed(1) + '" width="' +
+      (cell - 1).toFixed(1) + '" height="' + (cell - 1).toFixed(1) + '" fill="' + (color || GREY) +
+      '" fill-opacity="' + (color ? 1 : 0.15) + '"/>';
+  }
   function range(lo, hi) { return Array.from({ length: hi - lo + 1 }, (_, i) => lo + i); }
-  function sideBySide(box, form) {  // controls beside the picture where the box is wide (.kv-side)
+  // A knob's explorer: its controls beside its figure where the box is wide (.kv-side), a note
+  // under the controls, and its outputs ([data-name, label] each) under both.
+  function knobFrame(box, form, title, about, outputs) {
     const side = el("div", { class: "kv-side" }), charts = el("div", { class: "kv-charts" });
-    const about = el("div", { class: "kv-about" }), out = el("div", { class: "kv-outputs" });
-    side.append(form, charts, about, out);
+    const aboutBox = el("div", { class: "kv-about" }), out = el("div", { class: "kv-outputs" });
+    side.append(form, charts, aboutBox, out);
     box.append(side);
-    return { charts: charts, about: about, out: out };
+    note(aboutBox, about);
+    return { fig: figure(charts, title), out: outputs.map(([name, label]) => output(out, name, label)) };
   }
 
   function masksExplorer(box, data) {  // mirrors kvbook.knobs.masks.mask_report
@@ -543,13 +552,11 @@
     const sinks = control(form, "sinks", range(0, 4).map(s => [s, sep(s)]), box.dataset.sinks || 2);
     const chunk = control(form, "chunk (tokens)", range(1, 16).map(c => [c, sep(c)]), 4);
     const len = control(form, "text (tokens)", range(1, 32).map(n => [n, sep(n)]), box.dataset.n || 12);
-    const parts = sideBySide(box, form);
-    const fig = figure(parts.charts, "Which keys each query may see, and what the cache keeps");
-    note(parts.about, "Blue: the query (row) may attend to the key (column). Red: the tokens the " +
-                      "layer's cache holds after the text, the last row.");
-    const name = output(parts.out, "kind", "layer");
-    const held = output(parts.out, "tokens_held", "tokens the cache holds");
-    const kept = output(parts.out, "kept", "their positions");
+    const { fig, out: [name, held, kept] } = knobFrame(box, form,
+      "Which keys each query may see, and what the cache keeps",
+      "Blue: the query (row) may attend to the key (column). Red: the tokens the layer's cache holds " +
+      "after the text, the last row.",
+      [["kind", "layer"], ["tokens_held", "tokens the cache holds"], ["kept", "their positions"]]);
     function refresh() {
       const k = { kind: kind.value, size: kind.value === "window" ? Number(win.value) : Number(chunk.value),
                   sinks: kind.value === "window" ? Number(sinks.value) : 0, source: null };
@@ -568,20 +575,15 @@
       for (let q = 0; q < n; q++) {
         for (let key = 0; key < n; key++) {
           const seen = visible(k, q, key);
-          svg.push('<rect class="' + (seen ? "kv-seen" : "kv-hidden") + '" data-q="' + q + '" data-k="' + key +
-                   '" x="' + (left + key * cell).toFixed(1) + '" y="' + (top + q * cell).toFixed(1) + '" width="' +
-                   (cell - 1).toFixed(1) + '" height="' + (cell - 1).toFixed(1) + '" fill="' + (seen ? BLUE : GREY) +
-                   '" fill-opacity="' + (seen ? 1 : 0.15) + '"/>');
+          svg.push(square(seen ? "kv-seen" : "kv-hidden", 'data-q="' + q + '" data-k="' + key + '"',
+                          left + key * cell, top + q * cell, cell, seen ? BLUE : null));
         }
       }
       const y = top + size + 12;
       svg.push(text(left - 6, y + cell - 2, "kept", 'text-anchor="end" font-size="12"'));
       for (let key = 0; key < n; key++) {
         const on = keep.includes(key);
-        svg.push('<rect class="' + (on ? "kv-kept" : "kv-gone") + '" data-k="' + key + '" x="' +
-                 (left + key * cell).toFixed(1) + '" y="' + y.toFixed(1) + '" width="' + (cell - 1).toFixed(1) +
-                 '" height="' + (cell - 1).toFixed(1) + '" fill="' + (on ? RED : GREY) + '" fill-opacity="' +
-                 (on ? 1 : 0.15) + '"/>');
+        svg.push(square(on ? "kv-kept" : "kv-gone", 'data-k="' + key + '"', left + key * cell, y, cell, on ? RED : null));
       }
       svg.push(text(left, y + cell + 16, "0", 'font-size="12"'));
       svg.push(text(left + size, y + cell + 16, String(n - 1), 'text-anchor="end" font-size="12"'));
@@ -600,13 +602,12 @@
     const bits = control(form, "bits", [[2, "2"], [4, "4"], [8, "8"]], 4);
     const group = control(form, "numbers per scale", [8, 16, 32, 64].map(g => [g, sep(g)]), 64);
     const model = control(form, "model", Object.entries(data.models).map(([k, m]) => [k, m.name]), "smollm2-135m");
-    const parts = sideBySide(box, form);
-    const fig = figure(parts.charts, "Bytes per token of the cache: fp16 against this setting");
-    note(parts.about, "n-bit codes packed into bytes, plus an fp16 scale and minimum for each group of " +
-                      "numbers, as kvlib.quant stores them. The error needs the tensors: run the notebook.");
-    const perNumber = output(parts.out, "bytes_per_number", "bytes per number");
-    const perToken = output(parts.out, "token_bytes", "bytes per token (every layer)");
-    const share = output(parts.out, "share", "of fp16's bytes");
+    const { fig, out: [perNumber, perToken, share] } = knobFrame(box, form,
+      "Bytes per token of the cache: fp16 against this setting",
+      "n-bit codes packed into bytes, plus an fp16 scale and minimum for each group of numbers, as " +
+      "kvlib.quant stores them. The error needs the tensors: run the notebook.",
+      [["bytes_per_number", "bytes per number"], ["token_bytes", "bytes per token (every layer)"],
+       ["share", "of fp16's bytes"]]);
     function refresh() {
       const b = Number(bits.value), g = Number(group.value), m = data.models[model.value];
       const per = quantBytesPerNumber(b, g), numbers = kvCacheBytes(m, 1, 1, 1);  // kv_bytes_per_token(m, 1)
@@ -631,12 +632,11 @@
     const form = el("form", { class: "kv-controls" });
     const k = control(form, "draft length k", range(1, 8).map(j => [j, sep(j)]), 4);
     const a = control(form, "chance a guess is right", range(0, 20).map(i => [i / 20, (i / 20).toFixed(2)]), 0.75);
-    const parts = sideBySide(box, form);
-    const fig = figure(parts.charts, "Tokens per verify forward against the draft length");
-    note(parts.about, "Each guess right with the same chance, independently: a verify step keeps its " +
-                      "guesses up to the first wrong one, plus the target's own token.");
-    const tokens = output(parts.out, "tokens_per_forward", "tokens per verify forward");
-    const extra = output(parts.out, "last_guess", "tokens the k-th guess adds");
+    const { fig, out: [tokens, extra] } = knobFrame(box, form,
+      "Tokens per verify forward against the draft length",
+      "Each guess right with the same chance, independently: a verify step keeps its guesses up to " +
+      "the first wrong one, plus the target's own token.",
+      [["tokens_per_forward", "tokens per verify forward"], ["last_guess", "tokens the k-th guess adds"]]);
     function refresh() {
       const kk = Number(k.value), aa = Number(a.value), t = expectedTokens(kk, aa);
       show(tokens, t, sep(t, 3) + " (at most " + sep(kk + 1) + ")");

@@ -109,6 +109,11 @@ def sig3(x: float) -> str:
     return f"{v:,.{digits}f}"
 
 
+def report_html(sentence: str, svg: str) -> str:
+    """A panel's view: its numbers in a sentence, then its picture."""
+    return f'<div class="kv-report"><p>{sentence}</p>{svg}</div>'
+
+
 def numbers(xs) -> str:
     """A list of ints as text, runs shortened: 0, 1, 8–11."""
     xs, parts, i = sorted(xs), [], 0

@@ -23,7 +23,7 @@ from kvlib import layers as L
 from kvlib.hybrid import HybridCache
 from kvlib.validate import int_in_range
 
-from . import BLUE, GREY, RED, numbers, panel, svg_open, svg_text
+from . import BLUE, GREY, RED, numbers, panel, report_html, svg_open, svg_text
 
 if TYPE_CHECKING:
     import ipywidgets
@@ -103,9 +103,9 @@ def mask_text(report: dict) -> str:
 
 def mask_html(report: dict) -> str:
     held = report["tokens_held"]
-    return (f'<div class="kv-report"><p>After {report["n"]} tokens a <code>{report["kind"]}</code> layer '
-            f'holds <b>{held}</b> token{"" if held == 1 else "s"}: {numbers(report["kept"])} '
-            f'(the last row of the grid).</p>{grid_svg(report)}</div>')
+    return report_html(f'After {report["n"]} tokens a <code>{report["kind"]}</code> layer holds <b>{held}</b> '
+                       f'token{"" if held == 1 else "s"}: {numbers(report["kept"])} (the last row of the grid).',
+                       grid_svg(report))
 
 
 def explorer(kind: str = "window", window: int = 4, sinks: int = 0, chunk: int = 4, n: int = 12) -> ipywidgets.VBox:

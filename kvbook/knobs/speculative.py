@@ -23,7 +23,7 @@ import torch
 from kvlib.speculative import SpecStats, expected_tokens_per_forward
 from kvlib.validate import int_in_range, positive_int
 
-from . import BLUE, GREY, RED, panel, svg_open, svg_text
+from . import BLUE, GREY, RED, panel, report_html, svg_open, svg_text
 
 if TYPE_CHECKING:
     import ipywidgets
@@ -95,10 +95,10 @@ def spec_text(report: dict) -> str:
 
 def spec_html(report: dict) -> str:
     c = report["chosen"]
-    return (f'<div class="kv-report"><p>{c["k"]} guesses, each right with probability {report["a"]:.2f}: '
-            f'<b>{c["formula"]:.3f}</b> tokens per verify forward by the formula, <b>{c["simulated"]:.3f}</b> '
-            f'in {report["steps"]:,} simulated steps, whose acceptance rate (accepted over proposed) is '
-            f'{c["acceptance_rate"]:.3f}.</p>{curve_svg(report)}</div>')
+    return report_html(f'{c["k"]} guesses, each right with probability {report["a"]:.2f}: <b>{c["formula"]:.3f}</b> '
+                       f'tokens per verify forward by the formula, <b>{c["simulated"]:.3f}</b> in {report["steps"]:,} '
+                       f'simulated steps, whose acceptance rate (accepted over proposed) is '
+                       f'{c["acceptance_rate"]:.3f}.', curve_svg(report))
 
 
 def explorer(k: int = 4, a: float = 0.75) -> ipywidgets.VBox:
