@@ -1,6 +1,7 @@
 // The book's explorers, live in the reader's browser: no kernel, no network.
 //
-// A page asks for one with <div class="kv-explorer" data-explorer="cache|step|paging">.
+// A page asks for one with <div class="kv-explorer" data-explorer="cache|step|paging|masks|quant|
+// speculate">.
 // Every number starts from explorers-data.js, which `python -m kvbook.web` writes at
 // build time from kvlib's own presets and tables. This file holds only the few
 // formulas, and each one names the kvlib function it mirrors; the browser test
@@ -506,7 +507,165 @@
     onResize(box, refresh);
   }
 
-  const EXPLORERS = { cache: cacheExplorer, step: stepExplorer, paging: pagingExplorer };
+  // -- the knobs' explorers (kvbook.knobs): a mask, a quantized cache's bytes, a draft's yield ------
+  // kvlib.layers.visible: may the query at q see the key at k in a layer of this kind?
+  function visible(k, q, key) {
+    if (key > q) return false;  // causal, for every kind
+    if (k.kind === "window") return key > q - k.size || key < k.sinks;
+    if (k.kind === "chunked") return Math.floor(key / k.size) === Math.floor(q / k.size);
+    return true;
+  }
+  // kvbook.knobs.numbers: a list of ints, runs shortened: 0, 1, 8–11
+  function runs(xs) {
+    const parts = [];
+    for (let i = 0; i < xs.length;) {
+      let j = i;
+      while (j + 1 < xs.length && xs[j + 1] === xs[j] + 1) j++;
+      parts.push(j === i ? String(xs[i]) : j === i + 1 ? xs[i] + ", " + xs[j] : xs[i] + "–" + xs[j]);
+      i = j + 1;
+    }
+    return parts.join(", ") || "none";
+  }
+  // One cell of a grid: filled with `color`, or a faint grey when `color` is null (off).
+  function square(cls, data, x, y, cell, color) {
+    return '<rect class="' + cls + '" ' + data + ' x="' + x.toFixed(1) + '" y="' + y.toFixed(1) + '" width="' +
+      (cell - 1).toFixed(1) + '" height="' + (cell - 1).toFixed(1) + '" fill="' + (color || GREY) +
+      '" fill-opacity="' + (color ? 1 : 0.15) + '"/>';
+  }
+  function range(lo, hi) { return Array.from({ length: hi - lo + 1 }, (_, i) => lo + i); }
+  // A knob's explorer: its controls beside its figure where the box is wide (.kv-side), a note
+  // under the controls, and its outputs ([data-name, label] each) under both.
+  function knobFrame(box, form, title, about, outputs) {
+    const side = el("div", { class: "kv-side" }), charts = el("div", { class: "kv-charts" });
+    const aboutBox = el("div", { class: "kv-about" }), out = el("div", { class: "kv-outputs" });
+    side.append(form, charts, aboutBox, out);
+    box.append(side);
+    note(aboutBox, about);
+    return { fig: figure(charts, title), out: outputs.map(([name, label]) => output(out, name, label)) };
+  }
+
+  function masksExplorer(box, data) {  // mirrors kvbook.knobs.masks.mask_report
+    const form = el("form", { class: "kv-controls" });
+    const kind = control(form, "kind of layer", [["full", "full"], ["window", "window"], ["chunked", "chunked"]],
+                         box.dataset.kind || "window");
+    const win = control(form, "window (tokens)", range(1, 16).map(w => [w, sep(w)]), box.dataset.window || 4);
+    const sinks = control(form, "sinks", range(0, 4).map(s => [s, sep(s)]), box.dataset.sinks || 2);
+    const chunk = control(form, "chunk (tokens)", range(1, 16).map(c => [c, sep(c)]), 4);
+    const len = control(form, "text (tokens)", range(1, 32).map(n => [n, sep(n)]), box.dataset.n || 12);
+    const { fig, out: [name, held, kept] } = knobFrame(box, form,
+      "Which keys each query may see, and what the cache keeps",
+      "Blue: the query (row) may attend to the key (column). Red: the tokens the layer's cache holds " +
+      "after the text, the last row.",
+      [["kind", "layer"], ["tokens_held", "tokens the cache holds"], ["kept", "their positions"]]);
+    function refresh() {
+      const k = { kind: kind.value, size: kind.value === "window" ? Number(win.value) : Number(chunk.value),
+                  sinks: kind.value === "window" ? Number(sinks.value) : 0, source: null };
+      win.disabled = sinks.disabled = k.kind !== "window";
+      chunk.disabled = k.kind !== "chunked";
+      const n = Number(len.value), keep = range(0, n - 1).filter(key => visible(k, n - 1, key));
+      show(name, kindName(k), kindName(k));
+      show(held, tokensHeld(k, n), sep(tokensHeld(k, n)));
+      show(kept, keep.join(","), runs(keep));
+      const w = fig.width(), left = 44, top = 18;
+      const cell = Math.max(4, Math.min(20, (Math.min(w, 380) - left - 8) / n)), size = cell * n;
+      const svg = [svgOpen(left + size + 8, top + size + cell + 40, kindName(k) + ": which keys each of " + n +
+                           " queries sees; the cache keeps " + runs(keep))];
+      svg.push(text(left + size / 2, 12, "key →", 'text-anchor="middle" font-size="12"'));
+      svg.push(text(left - 6, top + 10, "query", 'text-anchor="end" font-size="12"'));
+      for (let q = 0; q < n; q++) {
+        for (let key = 0; key < n; key++) {
+          const seen = visible(k, q, key);
+          svg.push(square(seen ? "kv-seen" : "kv-hidden", 'data-q="' + q + '" data-k="' + key + '"',
+                          left + key * cell, top + q * cell, cell, seen ? BLUE : null));
+        }
+      }
+      const y = top + size + 12;
+      svg.push(text(left - 6, y + cell - 2, "kept", 'text-anchor="end" font-size="12"'));
+      for (let key = 0; key < n; key++) {
+        const on = keep.includes(key);
+        svg.push(square(on ? "kv-kept" : "kv-gone", 'data-k="' + key + '"', left + key * cell, y, cell, on ? RED : null));
+      }
+      svg.push(text(left, y + cell + 16, "0", 'font-size="12"'));
+      svg.push(text(left + size, y + cell + 16, String(n - 1), 'text-anchor="end" font-size="12"'));
+      fig.picture.innerHTML = svg.join("") + "</svg>";
+    }
+    for (const c of [kind, win, sinks, chunk, len]) c.addEventListener("change", refresh);
+    refresh();
+    onResize(box, refresh);
+  }
+
+  // kvlib.quant.quantized_nbytes / numbers: packed codes, and an fp16 scale and minimum per group
+  function quantBytesPerNumber(bits, group) { return bits / 8 + (2 + 2) / group; }
+
+  function quantExplorer(box, data) {  // mirrors kvbook.knobs.quant's bytes
+    const form = el("form", { class: "kv-controls" });
+    const bits = control(form, "bits", [[2, "2"], [4, "4"], [8, "8"]], 4);
+    const group = control(form, "numbers per scale", [8, 16, 32, 64].map(g => [g, sep(g)]), 64);
+    const model = control(form, "model", Object.entries(data.models).map(([k, m]) => [k, m.name]), "smollm2-135m");
+    const { fig, out: [perNumber, perToken, share] } = knobFrame(box, form,
+      "Bytes per token of the cache: fp16 against this setting",
+      "n-bit codes packed into bytes, plus an fp16 scale and minimum for each group of numbers, as " +
+      "kvlib.quant stores them. The error needs the tensors: run the notebook.",
+      [["bytes_per_number", "bytes per number"], ["token_bytes", "bytes per token (every layer)"],
+       ["share", "of fp16's bytes"]]);
+    function refresh() {
+      const b = Number(bits.value), g = Number(group.value), m = data.models[model.value];
+      const per = quantBytesPerNumber(b, g), numbers = kvCacheBytes(m, 1, 1, 1);  // kv_bytes_per_token(m, 1)
+      const fp16 = numbers * data.dtype_bytes.fp16, mine = per * numbers;
+      show(perNumber, per, sep(per, 4) + " (" + sep(b / 8, 4) + " of codes + " + sep(4 / g, 4) + " of scales)");
+      show(perToken, mine, sep(mine) + " bytes, against " + sep(fp16) + " in fp16");
+      show(share, mine / fp16, pct(mine / fp16));
+      fig.picture.innerHTML = bars(fig.width(), [["fp16", fp16, GREY, sep(fp16) + " B"],
+                                                 [b + " bits / " + g, mine, BLUE, sep(mine) + " B"]], fp16,
+                                   "bytes per token: fp16 " + sep(fp16) + ", " + b + " bits with a scale per " + g +
+                                   " numbers " + sep(mine));
+    }
+    for (const c of [bits, group, model]) c.addEventListener("change", refresh);
+    refresh();
+    onResize(box, refresh);
+  }
+
+  // kvlib.speculative.expected_tokens_per_forward: 1 + a + ... + a^k
+  function expectedTokens(k, a) { let t = 0; for (let i = 0; i <= k; i++) t += a ** i; return t; }
+
+  function speculateExplorer(box, data) {  // mirrors kvbook.knobs.speculative's formula
+    const form = el("form", { class: "kv-controls" });
+    const k = control(form, "draft length k", range(1, 8).map(j => [j, sep(j)]), 4);
+    const a = control(form, "chance a guess is right", range(0, 20).map(i => [i / 20, (i / 20).toFixed(2)]), 0.75);
+    const { fig, out: [tokens, extra] } = knobFrame(box, form,
+      "Tokens per verify forward against the draft length",
+      "Each guess right with the same chance, independently: a verify step keeps its guesses up to " +
+      "the first wrong one, plus the target's own token.",
+      [["tokens_per_forward", "tokens per verify forward"], ["last_guess", "tokens the k-th guess adds"]]);
+    function refresh() {
+      const kk = Number(k.value), aa = Number(a.value), t = expectedTokens(kk, aa);
+      show(tokens, t, sep(t, 3) + " (at most " + sep(kk + 1) + ")");
+      show(extra, aa ** kk, sep(aa ** kk, 3));
+      const w = fig.width(), h = 210, left = 40, right = 12, top = 10, bottom = 40;
+      const X = j => left + (w - left - right) * (j - 0.5) / 8, Y = t => top + (h - top - bottom) * (9 - t) / 8;
+      const svg = [svgOpen(w, h, "tokens per verify forward at a = " + aa.toFixed(2) + ": " + sep(t, 2) +
+                           " at k = " + kk)];
+      svg.push('<path class="kv-axis" d="M' + left + " " + top + " V" + (h - bottom) + " H" + (w - right) +
+               '" fill="none" stroke="currentColor"/>');
+      for (let y = 1; y <= 9; y += 2) svg.push(text(left - 6, Y(y) + 4, String(y), 'text-anchor="end" font-size="11"'));
+      for (let j = 1; j <= 8; j++) svg.push(text(X(j), h - bottom + 15, String(j), 'text-anchor="middle" font-size="11"'));
+      svg.push(text(left + (w - left - right) / 2, h - 6, "draft length k", 'text-anchor="middle" font-size="11"'));
+      svg.push('<polyline class="kv-ridge" fill="none" stroke-dasharray="4 3" points="' +
+               range(1, 8).map(j => X(j).toFixed(1) + "," + Y(j + 1).toFixed(1)).join(" ") + '"/>');
+      svg.push('<polyline class="kv-formula" fill="none" stroke="' + BLUE + '" stroke-width="2.5" points="' +
+               range(1, 8).map(j => X(j).toFixed(1) + "," + Y(expectedTokens(j, aa)).toFixed(1)).join(" ") + '"/>');
+      svg.push('<circle cx="' + X(kk).toFixed(1) + '" cy="' + Y(t).toFixed(1) + '" r="5.5" fill="' + RED + '"/>');
+      fig.picture.innerHTML = svg.join("") + "</svg>";
+      fig.picture.append(legend([["line", BLUE, "1 + a + … + a^k"], ["dash", "", "the ceiling, k + 1"],
+                                 ["dot", RED, "this k"]]));
+    }
+    for (const c of [k, a]) c.addEventListener("change", refresh);
+    refresh();
+    onResize(box, refresh);
+  }
+
+  const EXPLORERS = { cache: cacheExplorer, step: stepExplorer, paging: pagingExplorer, masks: masksExplorer,
+                      quant: quantExplorer, speculate: speculateExplorer };
   // An explorer in a file of its own registers itself before the page is ready:
   // window.kvExplorers = Object.assign(window.kvExplorers || {}, { name: function (box, data) {...} }).
   const explorerOf = name => EXPLORERS[name] || (window.kvExplorers || {})[name];

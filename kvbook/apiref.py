@@ -87,6 +87,7 @@ TOOLING_GROUPS = [
      "vLLM and NVIDIA's kvpress run beside kvlib (`vllmcheck`, `kvpresscheck`), and the benchmark (`kvbench`)"),
     ("tooling", "The book's tooling", [],
      ["kvbook", "kvbook.tables", "kvbook.plot", "kvbook.diagrams", "kvbook.explorer",
+      "kvbook.knobs", "kvbook.knobs.masks", "kvbook.knobs.quant", "kvbook.knobs.speculative", "kvbook.knobs.step",
       "kvbook.requires", "kvbook.reader", "kvbook.web", "kvbook.site", "kvbook.lean",
       "kvbook.apiref", "kvbook.docstrings", "kvbook.citations", "kvbook.search"],
      "what builds this book (`kvbook`): figures, tables, glue, the reader editions and the site"),

@@ -236,6 +236,21 @@ class SpecStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
+def expected_tokens_per_forward(k: int, a: float) -> float:
+    """Tokens a verify step makes on average when each of its ``k`` guesses is right with
+    probability ``a``, independently: the guesses up to the first wrong one, plus the target's
+    token, ``1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)`` (Leviathan et al. 2023; ``k + 1`` at
+    ``a = 1``). `SpecStats.acceptance_rate` is not ``a``: a step stops at its first wrong guess.
+
+    >>> kvlib.speculative.expected_tokens_per_forward(4, 0.5)
+    1.9375
+    """
+    int_at_least("k (draft tokens per step)", k, 0)
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+        raise ValueError(f"a (the chance that a guess is right) must be a number in [0, 1], got {a!r}")
+    return float(sum(a**i for i in range(k + 1)))
+
+
 # -- the rule: accept with min(1, p/q), else draw from the residual ------------------------------------
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a ``(vocab,)`` distribution. A one-hot one (greedy) is its argmax: no randomness used."""

@@ -31,7 +31,8 @@ from kvlib.simulate import POLICIES, request_trace, simulate
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 STEP_MODELS = [m for m in MODELS if PRESETS[m].family == "llama"]  # weights counted: a step can be timed
-PAGES = {"cache": "book/ch04_how_big", "step": "book/ch05_step_time", "paging": "book/ch09_paging"}
+PAGES = {"cache": "book/ch04_how_big", "step": "book/ch05_step_time", "paging": "book/ch09_paging",
+         "masks": "book/ch07b_layer_shapes", "quant": "book/ch08_quantization", "speculate": "book/ch12_serving"}
 # The labels of each explorer's controls: every number comes with its unit.
 LABELS = {
     "cache": ["model", "cache dtype", "batch (sequences)", "context (tokens per sequence)",
@@ -40,6 +41,9 @@ LABELS = {
              "context (tokens per sequence)"],
     "paging": ["requests (median prompt + output, tokens)", "context limit (tokens)",
                "block size (tokens)"],
+    "masks": ["kind of layer", "window (tokens)", "sinks", "chunk (tokens)", "text (tokens)"],
+    "quant": ["bits", "numbers per scale", "model"],
+    "speculate": ["draft length k", "chance a guess is right"],
 }
 
 
@@ -389,7 +393,8 @@ def test_explorer_screenshots(browser, server, kind):  # noqa: F811
 
 # One change per explorer that must change what it shows: (control's label, a value not the default)
 A_CHANGE = {"cache": ("batch (sequences)", 64), "step": ("batch (sequences)", 64),
-            "paging": ("block size (tokens)", 256)}
+            "paging": ("block size (tokens)", 256), "masks": ("text (tokens)", 20), "quant": ("bits", 2),
+            "speculate": ("draft length k", 8)}
 
 
 @pytest.mark.parametrize("kind", list(PAGES))
@@ -613,3 +618,102 @@ def test_paging_table_is_simulate():
     assert rows[0]["batch"]["paged"]["16"] == paged.mean_batch
     assert rows[0]["waste"]["max"] == simulate(trace, "max", memory_slots=4096, max_len=1024).waste
     assert rows[0]["waste"]["oracle"] == simulate(trace, "oracle", memory_slots=4096, max_len=1024).waste
+
+
+# -- the knobs' explorers (kvbook.knobs): the mask and kept tokens, a quantized cache's bytes, a draft's yield --
+def test_masks_explorer_equals_kvlib(browser, server):  # noqa: F811
+    """Every cell of the grid is kvlib.layers.visible, and the kept tokens what a HybridCache of the layer
+    holds (kvbook.knobs.masks.kept_positions), at a grid of kinds, windows, sinks, chunks and lengths."""
+    import torch
+
+    from kvbook.knobs.masks import kept_positions, layer_kind
+    from kvlib import layers as L
+
+    page, box, external, errors = open_explorer(browser, server, PAGES["masks"], "masks")
+    rng = random.Random(3)
+    grid = [("window", 4, 2, 4, 12), ("full", 4, 2, 4, 9), ("chunked", 4, 2, 5, 13), ("chunked", 4, 0, 1, 3),
+            ("window", 16, 4, 4, 32), ("window", 1, 0, 4, 1)]
+    grid += [(rng.choice(["full", "window", "chunked"]), rng.randint(1, 16), rng.randint(0, 4), rng.randint(1, 16),
+              rng.randint(1, 32)) for _ in range(10)]
+    for kind, window, sinks, chunk, n in grid:
+        pick(box, "kind of layer", kind)  # then the settings this kind uses (the others are disabled)
+        if kind == "window":
+            pick(box, "window (tokens)", window), pick(box, "sinks", sinks)
+        if kind == "chunked":
+            pick(box, "chunk (tokens)", chunk)
+        pick(box, "text (tokens)", n)
+        layer, setting = layer_kind(kind, window, sinks, chunk), (kind, window, sinks, chunk, n)
+        pos = torch.arange(n)
+        want = L.visible(layer, pos, pos)
+        seen = box.locator("rect.kv-seen").evaluate_all("rs => rs.map(r => [+r.dataset.q, +r.dataset.k])")
+        assert sorted(map(tuple, seen)) == [tuple(x) for x in want.nonzero().tolist()], setting
+        assert box.locator("rect.kv-hidden").count() == n * n - len(seen), setting
+        assert value(box, "kind") == str(layer), setting
+        assert int(value(box, "tokens_held")) == L.tokens_held(layer, n), setting
+        kept = kept_positions(layer, n)
+        assert value(box, "kept") == ",".join(map(str, kept)), setting
+        marked = box.locator("rect.kv-kept").evaluate_all("rs => rs.map(r => +r.dataset.k)")
+        assert marked == kept, setting
+        disabled = [box.get_by_label(lab, exact=True).is_disabled() for lab in ("window (tokens)", "chunk (tokens)")]
+        assert disabled == [kind != "window", kind != "chunked"], setting
+    clean(external, errors)
+    close(page)
+
+
+def test_chapter_10_masks_open_on_its_sink_cache():
+    """Chapter 10's explorer opens on its own setting (a window of 8 and 4 sinks over 24 tokens), read
+    from its div; the page is the one the chapter's panel describes."""
+    nb = json.loads((ROOT / "book" / "ch10_long_context.ipynb").read_text())
+    div = next("".join(c["source"]) for c in nb["cells"] if 'data-explorer="masks"' in "".join(c["source"]))
+    code = next("".join(c["source"]) for c in nb["cells"] if "kvbook.knobs.masks" in "".join(c["source"]))
+    assert 'data-window="8" data-sinks="4" data-n="24"' in div
+    assert 'explorer(kind="window", window=8, sinks=4, n=24)' in code
+
+
+def test_chapter_10_masks_explorer(browser, server):  # noqa: F811
+    from kvbook.knobs.masks import kept_positions
+    from kvlib import layers as L
+
+    page, box, external, errors = open_explorer(browser, server, "book/ch10_long_context", "masks")
+    assert value(box, "kept") == ",".join(map(str, kept_positions(L.window(8, 4), 24)))  # 0-3, 16-23
+    assert value(box, "kept") == "0,1,2,3,16,17,18,19,20,21,22,23"
+    clean(external, errors)
+    close(page)
+
+
+def test_quant_explorer_equals_quantized_nbytes(browser, server):  # noqa: F811
+    """Bytes per number are kvlib.quant.quantized_nbytes' (and so what quantize stores), and a token's
+    bytes those times the numbers kvlib.memory counts in a token of the model's cache."""
+    from kvlib.quant import quantized_nbytes
+
+    page, box, external, errors = open_explorer(browser, server, PAGES["quant"], "quant")
+    rng = random.Random(4)
+    for bits in (2, 4, 8):
+        for group in (8, 16, 32, 64):
+            model = rng.choice(MODELS)
+            pick(box, "bits", bits), pick(box, "numbers per scale", group), pick(box, "model", model)
+            per = quantized_nbytes(64 * group, bits, group) / (64 * group)
+            assert float(value(box, "bytes_per_number")) == per, (bits, group)
+            numbers = memory.kv_bytes_per_token(PRESETS[model], 1)
+            assert float(value(box, "token_bytes")) == pytest.approx(per * numbers, rel=1e-12), (bits, group, model)
+            assert float(value(box, "share")) == pytest.approx(per / 2, rel=1e-12)
+    pick(box, "bits", 4), pick(box, "numbers per scale", 64), pick(box, "model", "smollm2-135m")
+    assert text(box, "token_bytes").startswith("6,480 bytes, against 23,040 in fp16")  # 0.5625 x 11,520 numbers
+    clean(external, errors)
+    close(page)
+
+
+def test_speculate_explorer_equals_expected_tokens(browser, server):  # noqa: F811
+    from kvlib.speculative import expected_tokens_per_forward
+
+    page, box, external, errors = open_explorer(browser, server, PAGES["speculate"], "speculate")
+    for k in (1, 2, 4, 8):
+        for i in (0, 5, 15, 19, 20):
+            a = i / 20
+            pick(box, "draft length k", k), pick(box, "chance a guess is right", f"{a:g}")  # as JS writes it: 0, 0.25, 1
+            want = expected_tokens_per_forward(k, a)
+            assert float(value(box, "tokens_per_forward")) == pytest.approx(want, rel=1e-12), (k, a)
+            shown = text(box, "tokens_per_forward")  # 3 decimals (1.3125 may show as 1.313: JS rounds half up)
+            assert abs(number(shown) - want) <= 0.0005 + 1e-12 and shown.endswith(f" (at most {k + 1})"), (k, a)
+    clean(external, errors)
+    close(page)

@@ -358,3 +358,32 @@ def test_bad_fp8_input():
         quantize_fp8(torch.randn(0, 4))
     with pytest.raises(ValueError, match="scale must be a positive number"):
         FP8Cache(1, scale=-1.0)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_quantized_nbytes_is_what_quantize_stores(bits, symmetric):
+    """The formula (codes, plus a 2-byte scale and minimum per group) equals QTensor.nbytes on every
+    axis and group size; by hand: 64 numbers at 4 bits with one group are 32 + 2 + 2 bytes."""
+    from kvlib.quant import quantized_nbytes
+
+    x = torch.randn(2, 3, 32, 64, generator=torch.Generator().manual_seed(bits))
+    for dim, sizes in ((-1, (8, 16, 32, 64)), (-2, (8, 16, 32))):
+        for g in sizes:
+            want = quantize(x, bits, dim=dim, group_size=g, symmetric=symmetric).nbytes
+            assert quantized_nbytes(x.numel(), bits, g, symmetric) == want, (dim, g)
+    assert quantized_nbytes(64, 4, 64) == 36 and quantized_nbytes(64, 4, 64, symmetric=True) == 34
+    assert quantized_nbytes(128, 2, 16) == 32 + 8 * 4
+
+
+def test_quantized_nbytes_refuses_what_quantize_refuses():
+    from kvlib.quant import quantized_nbytes
+
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantized_nbytes(64, 3, 8)
+    with pytest.raises(ValueError, match="group_size=24 must divide numbers=64"):
+        quantized_nbytes(64, 4, 24)
+    with pytest.raises(ValueError, match="multiple of 4 to pack 2-bit codes"):
+        quantized_nbytes(6, 2, 2)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        quantized_nbytes(64, 8, 0)

@@ -439,3 +439,46 @@ def test_smollm2_prompt_lookup_is_lossless_and_accepts_a_repeated_sentence(smoll
     assert torch.equal(got, want)
     print(f"SmolLM2 prompt lookup: acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_forward:.2f} tokens/forward")
     assert stats.acceptance_rate > 0.5 and stats.tokens_per_forward > 2.0  # measured 0.74 and 2.56 (CPU, fp32)
+
+
+# -- the expected tokens per verify step ------------------------------------------------------------------------------
+class RightWithChance:
+    """A draft that knows the target's greedy continuation and proposes each next token right with
+    probability ``a``, independently (else a token that is surely wrong), as the formula assumes."""
+
+    def __init__(self, want: list[int], a: float, vocab: int, seed: int) -> None:
+        self.want, self.a, self.vocab = want, a, vocab
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def propose(self, context_ids, k):
+        n = len(context_ids)
+        right = self.want[n:n + k]
+        return [t if float(torch.rand((), generator=self.rng)) < self.a else (t + 1) % self.vocab for t in right]
+
+
+@pytest.mark.parametrize("k, a", [(1, 0.5), (4, 0.7), (8, 0.9)])
+def test_expected_tokens_per_forward_is_what_verification_makes(k, a):
+    """speculative_generate on a draft whose guesses are right with chance a: each verify step
+    that proposed all k guesses makes 1 + a + ... + a^k tokens on average (within 4 standard errors)."""
+    model = Transformer(kvlib.PRESETS["tiny"])
+    model.reset_parameters(seed=0, std=0.2)
+    prompt, n = [1, 2, 3], 240
+    want = kvlib.generate(model, prompt, n)[0].tolist()
+    _, stats = speculative_generate(model, prompt, n, RightWithChance(want, a, 128, seed=k), k=k)
+    made = torch.tensor([acc + 1.0 for p, acc in zip(stats.proposed_per_step, stats.accepted_per_step) if p == k])
+    expected = kvlib.speculative.expected_tokens_per_forward(k, a)
+    sem = made.std() / len(made) ** 0.5
+    assert len(made) >= 30 and abs(made.mean() - expected) < 4 * sem, (made.mean(), expected, sem)
+
+
+def test_expected_tokens_per_forward_by_hand():
+    e = kvlib.speculative.expected_tokens_per_forward
+    assert e(4, 0.5) == 1 + 0.5 + 0.25 + 0.125 + 0.0625  # 1.9375
+    assert e(3, 1.0) == 4.0 and e(5, 0.0) == 1.0 and e(0, 0.4) == 1.0  # all right; none; no guesses
+    assert e(6, 0.8) == pytest.approx((1 - 0.8**7) / (1 - 0.8), rel=1e-12)  # the closed form
+    with pytest.raises(ValueError, match=r"a \(the chance that a guess is right\) must be a number in \[0, 1\], got 1.5"):
+        e(4, 1.5)
+    with pytest.raises(ValueError, match="must be a number in"):
+        e(4, True)
+    with pytest.raises(ValueError, match="k"):
+        e(-1, 0.5)
