@@ -16,7 +16,8 @@ setup:
 ready:
 	@./scripts/once.sh setup $(PY) requirements.txt pyproject.toml -- $(MAKE) --no-print-directory setup
 
-TRACES = vllmcheck/data/pool_trace_cpu.json  # both engines' pools on chapter 12's requests
+# both engines' pools on chapter 12's requests (no comment after the value: make would keep its spaces)
+TRACES = vllmcheck/data/pool_trace_cpu.json
 
 book: ready
 	rm -rf _build/html  # Sphinx does not overwrite a changed static file; the executed notebooks stay cached in _build/.jupyter_cache

@@ -192,7 +192,7 @@ def step_text(trace: dict, step: int, other: dict | None = None) -> str:
     return "\n".join(out)
 
 
-class _Views:
+class StepViews:
     """What a panel shows without a widget front end: its current step, as text and as HTML."""
 
     def _bundle(self) -> dict:
@@ -202,7 +202,7 @@ class _Views:
         return self.trace, self.step, self.other
 
 
-class PoolView(_Views):
+class PoolView(StepViews):
     """The view of one step, for where ipywidgets is not installed."""
 
     def __init__(self, trace: dict, step: int, other: dict | None = None):
@@ -238,7 +238,7 @@ def pool_explorer(trace, other=None, step: int | None = None):
     except ImportError:  # a plain terminal: the step, as text
         return PoolView(traces[0], start, traces[1] if other is not None else None)
 
-    class PoolExplorer(_Views, w.VBox):
+    class PoolExplorer(StepViews, w.VBox):
         def _repr_mimebundle_(self, **kwargs):  # the widget, and the step for a front end without one
             return {**self._bundle(), **(super()._repr_mimebundle_(**kwargs) or {}),
                     "text/plain": step_text(*self._args())}

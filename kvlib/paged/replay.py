@@ -6,7 +6,7 @@ Replaying it is what a reader, or an explorer, does to watch the pool: start fro
 (every block free, nothing cached) and apply each event:
 
 * ``admit`` starts an empty table; ``hit`` appends blocks found in the prefix cache (sealed blocks,
-  one more owner each); ``allocate`` appends free blocks (a sealed one is ``evict``ed first);
+  one more owner each); ``allocate`` appends free blocks (a sealed one is evicted first, an ``evict`` event);
 * ``cow`` replaces a shared or sealed block by a private copy; ``fork`` gives a new sample a table
   sharing its parent's blocks;
 * ``preempt`` and ``free`` drop a sequence's table, one owner less per block; ``seal`` marks a full
