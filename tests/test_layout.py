@@ -113,6 +113,8 @@ def test_pyproject_installs_every_subpackage():
 
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = {"kvlib"} | {f"kvlib.{n}" for n, p in NAMES.items() if p.name == "__init__.py"} | set(TOOLING)
+    packages |= {".".join(p.parent.relative_to(ROOT).parts) for top in TOOLING  # their subpackages too (kvbook.knobs)
+                 for p in (ROOT / top).rglob("__init__.py")}
     assert len(packages) >= 8 and packages <= set(find_packages(ROOT, include=tool["packages"]["find"]["include"]))
     for top in ("kvlib",) + TOOLING:
         shipped = {p for pattern in tool["package-data"].get(top, []) for p in (ROOT / top).glob(pattern)}
