@@ -11,10 +11,12 @@ The explorers (`kvbook.pool` in a notebook, ``js/pool-explorer.js`` on the websi
 a trace a reader may have recorded, edited or truncated, so `check` reads it field by
 field and names the first thing wrong, and `state_at` is the one reading both draw::
 
-    >>> t = load("tests/data/pool-trace-kvlib.json")
-    >>> s = state_at(t, 3)
-    >>> s["tables"]["2.1"], s["counts"]
-    ([3, 4, 6], {'used': 6, 'cached': 1, 'free': 4})
+    >>> import vllmcheck
+    >>> from kvbook.pooltrace import load, state_at
+    >>> t = load(vllmcheck.load_traces()["kvlib"])  # chapter 12's requests, in kvlib's engine
+    >>> s = state_at(t, 27)  # the step that preempted request-3
+    >>> s["tables"], s["counts"], s["cached_blocks"]
+    ({'request-0': [0, 6], 'request-1': [1, 4], 'request-2': [2, 5]}, {'used': 6, 'cached': 1, 'free': 1}, [3])
 
 The JavaScript mirrors `check` and `state_at` (same rules, same messages); the browser test
 compares the two on the same traces.

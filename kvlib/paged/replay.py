@@ -28,7 +28,9 @@ from typing import Any
 
 __all__ = ["FORMAT", "KINDS", "PoolState", "apply_event", "replay", "validate"]
 
+#: The format a trace names in its ``"format"`` field; it changes when a field's meaning does.
 FORMAT = "kv-pool-trace/1"
+#: The event kinds this version replays, in the order a step's phases make them; others are ignored.
 KINDS = ("admit", "hit", "allocate", "seal", "cow", "fork", "evict", "preempt", "free")
 
 
