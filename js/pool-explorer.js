@@ -8,7 +8,7 @@
 // may load a trace they recorded (one file, or two to compare), read with FileReader.
 //
 // It draws what kvbook.pool draws in a notebook, from the same reading of the trace:
-// checkTrace mirrors kvbook.pooltrace.check (same rules, same messages) and stateAt mirrors
+// checkTrace mirrors kvbook.pooltrace.check_trace (same rules, same messages) and stateAt mirrors
 // kvbook.pooltrace.state_at; tests/test_pool_explorer.py compares them in Chromium.
 (function () {
   "use strict";
@@ -102,7 +102,7 @@
     if (held !== c.used)
       fail(where + ".counts: used is " + c.used + ", but the tables hold " + held + " distinct blocks");
   }
-  function checkTrace(t) {  // kvbook.pooltrace.check
+  function checkTrace(t) {  // kvbook.pooltrace.check_trace
     object("the trace", t);
     const fmt = field(t, "format", "the trace");
     if (fmt !== FORMAT) fail("the trace's format is " + show(fmt) + "; this explorer reads " + show(FORMAT));

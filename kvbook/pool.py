@@ -25,7 +25,7 @@ import sys
 from html import escape
 from pathlib import Path
 
-from .pooltrace import check, load, seq_key, state_at, step_range
+from .pooltrace import check_trace, load, seq_key, state_at, step_range
 
 # Okabe-Ito, without black: legible on light and dark pages, told apart by most colour-blind eyes
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442"]
@@ -228,7 +228,7 @@ def _step(step, lo: int, hi: int) -> int:
 def pool_explorer(trace, other=None, step: int | None = None):
     """A play button and a step slider over ``trace`` (and ``other``, side by side), showing
     `step_html` at the chosen step. ``trace``/``other``: a dict or the path of a JSON trace,
-    checked by `kvbook.pooltrace.check`. ``step``: where it opens (the first step by default).
+    checked by `kvbook.pooltrace.check_trace`. ``step``: where it opens (the first step by default).
     Without ipywidgets, a `PoolView` of that step; a panel without a front end shows the same."""
     traces = [load(trace)] + ([load(other)] if other is not None else [])
     lo, hi = step_range(*traces)
@@ -274,7 +274,7 @@ def script(traces: dict[str, dict]) -> str:
     for name, t in traces.items():
         if not isinstance(name, str) or not name or any(ch.isspace() for ch in name):
             raise ValueError(f"a trace's name is one word (a page names it in data-traces), got {name!r}")
-        check(t)
+        check_trace(t)
     return _HEAD + json.dumps(traces, separators=(",", ":"), allow_nan=False) + ";\n"
 
 

@@ -8,8 +8,8 @@ every sequence's block table, its length in tokens, and the counts of used, cach
 blocks. kvlib's engine writes one, and so does the vLLM side of the cross-check.
 
 The explorers (`kvbook.pool` in a notebook, ``js/pool-explorer.js`` on the website) show
-a trace a reader may have recorded, edited or truncated, so `check` reads it field by
-field and names the first thing wrong, and `state_at` is the one reading both draw::
+a trace a reader may have recorded, edited or truncated, so `check_trace` reads it field by
+field and names the first thing wrong (`check_trace`), and `state_at` is the one reading both draw::
 
     >>> import vllmcheck
     >>> from kvbook.pooltrace import load, state_at
@@ -18,7 +18,7 @@ field and names the first thing wrong, and `state_at` is the one reading both dr
     >>> s["tables"], s["counts"], s["cached_blocks"]
     ({'request-0': [0, 6], 'request-1': [1, 4], 'request-2': [2, 5]}, {'used': 6, 'cached': 1, 'free': 1}, [3])
 
-The JavaScript mirrors `check` and `state_at` (same rules, same messages); the browser test
+The JavaScript mirrors `check_trace` and `state_at` (same rules, same messages); the browser test
 compares the two on the same traces.
 """
 
@@ -38,7 +38,7 @@ EVENT_FIELDS = {"admit": ("seq",), "hit": ("seq", "blocks"), "allocate": ("seq",
 
 def load(trace) -> dict:
     """A checked trace from a dict, a recorder (anything with ``to_dict()``, such as
-    `kvlib.paged.PoolTrace`), or the path of a JSON file (`check` says what is wrong)."""
+    `kvlib.paged.PoolTrace`), or the path of a JSON file (`check_trace` says what is wrong)."""
     if hasattr(trace, "to_dict"):
         trace = trace.to_dict()
     if isinstance(trace, (str, Path)):
@@ -49,7 +49,7 @@ def load(trace) -> dict:
             trace = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    return check(trace)
+    return check_trace(trace)
 
 
 def _show(x) -> str:
@@ -149,7 +149,7 @@ def _check_step(where: str, s: dict, n: int, size: int, requests: dict) -> None:
         raise ValueError(f"{where}.counts: used is {c['used']}, but the tables hold {held} distinct blocks")
 
 
-def check(trace) -> dict:
+def check_trace(trace) -> dict:
     """``trace`` itself if it follows the format, else a ValueError, TypeError or IndexError
     naming the first field that does not (a wrong ``format``, a block id out of range, a table
     naming an unknown sequence, counts that do not add up...)."""

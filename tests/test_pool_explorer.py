@@ -19,7 +19,7 @@ import pytest
 
 from kvbook import pool
 from kvbook.pool import event_text, pool_explorer, step_text
-from kvbook.pooltrace import check, load, state_at
+from kvbook.pooltrace import check_trace, load, state_at
 from test_site import browser  # noqa: F401  (the fixture: Debian's Chromium)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def test_a_bad_trace_is_named(change, error, message):
     t = json.loads(KVLIB.read_text())
     change(t)
     with pytest.raises(error) as e:
-        check(t)
+        check_trace(t)
     assert str(e.value).startswith(message), str(e.value)
 
 
@@ -125,7 +125,7 @@ def test_what_the_format_allows_passes():
     t["steps"][2]["events"].append({"kind": "swap-out", "whatever": [99]})
     for i, s in enumerate(t["steps"]):
         s["step"] = 2 * i
-    assert check(t) is t
+    assert check_trace(t) is t
     assert state_at(t, 5)["at"] == 4 and state_at(t, 5)["events"] == []
     assert event_text({"kind": "swap-out"}) == "swap-out (not drawn)"
 
@@ -400,13 +400,13 @@ def test_site_explorer_shows_the_python_reading(browser, site):  # noqa: F811
 
 
 def test_site_explorer_checks_as_kvbook_does(browser, site):  # noqa: F811
-    """The JavaScript's check refuses each bad trace with kvbook.pooltrace.check's own words."""
+    """The JavaScript's check refuses each bad trace with kvbook.pooltrace.check_trace's own words."""
     page, box, external, errors = open_pool(browser, site)
     for change, error, _ in BAD:
         t = json.loads(KVLIB.read_text())
         change(t)
         with pytest.raises(error) as e:
-            check(t)
+            check_trace(t)
         js = page.evaluate("t => { try { kvPool.checkTrace(t); return null; } catch (e) { return e.message; } }", t)
         assert js == str(e.value)
     ok = page.evaluate("t => kvPool.checkTrace(t) === t || 'not the trace'", load(KVLIB))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.paged import PoolTrace, replay
-from kvlib.paged.replay import KINDS
+from kvlib.paged import PoolTrace
+from kvlib.paged.replay import KINDS, replay
 
 
 def tiny():

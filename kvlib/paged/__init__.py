@@ -15,9 +15,10 @@
 * `kvlib.paged.trace`: `PoolTrace`, every block event of an `kvlib.Engine` run and the pool after
   each step (format ``kv-pool-trace/1``, shared with vLLM's side of the cross-check).
 * `kvlib.paged.replay`: `replay`, the pool rebuilt from a trace's events alone, step by step, and
-  checked against the trace's own tables and counts.
+  checked against the trace's own tables and counts, and `validate`.
 
-Every name is importable from ``kvlib.paged`` itself.
+Every name is importable from ``kvlib.paged`` itself, except the replay module's: ``kvlib.paged.replay``
+is that module, so ``from kvlib.paged.replay import replay, validate``.
 """
 
 from .batch import PackedPagedBatch, PagedBatch, StepPool, gather, slot_mapping
@@ -25,8 +26,7 @@ from .blocks import BlockAllocator, OutOfBlocks, chain_hash
 from .cache import PagedCache
 from .hybrid import HybridBlockPool, KVGroup, blocks_held, kv_groups
 from .kernel import paged_attention_loop
-from .replay import replay
 from .trace import PoolTrace
 
 __all__ = ["BlockAllocator", "HybridBlockPool", "KVGroup", "OutOfBlocks", "PackedPagedBatch", "PagedBatch", "PagedCache",
-           "PoolTrace", "StepPool", "chain_hash", "gather", "blocks_held", "kv_groups", "paged_attention_loop", "replay", "slot_mapping"]
+           "PoolTrace", "StepPool", "chain_hash", "gather", "blocks_held", "kv_groups", "paged_attention_loop", "slot_mapping"]
