@@ -10,19 +10,46 @@ import pytest
 import torch
 from hypothesis import settings
 
-# KVLIB_TEST_DEVICE=cuda runs the tests marked `device` there (tests/test_device.py: the
-# reference cross-checks, written device-agnostic) and skips the CPU-only rest with a reason.
+# `pytest --device cuda` (or KVLIB_TEST_DEVICE=cuda) runs the tests marked `device` there
+# (tests/test_device.py: the reference cross-checks, written device-agnostic) and skips the
+# CPU-only rest with a reason. Set once, in pytest_configure, from the option.
 DEVICE = torch.device(os.environ.get("KVLIB_TEST_DEVICE", "cpu"))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default=None,
+                     help="run the tests marked `device` on this torch device (cpu, cuda, cuda:1) and skip the "
+                          "CPU-only rest; default $KVLIB_TEST_DEVICE, else cpu")
+
+
+def requested_device(name: str) -> torch.device:
+    """The device ``--device name`` asks for, or a ``pytest.UsageError`` that says why it cannot run:
+    a device this machine lacks must stop the run, never pass by skipping everything."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise pytest.UsageError(f"--device {name!r} is not a torch device ({e}): use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise pytest.UsageError(f"--device {name}: this torch ({torch.__version__}) sees {count} CUDA "
+                                    f"device(s), so nothing would run there; run on a machine with a GPU, or "
+                                    f"drop --device to test on the CPU")
+    elif device.type != "cpu":
+        raise pytest.UsageError(f"--device {name}: the suite runs on cpu or cuda, got {device.type}")
+    return device
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "device: runs on KVLIB_TEST_DEVICE (default cpu)")
+    global DEVICE
+    config.addinivalue_line("markers", "device: runs on --device / KVLIB_TEST_DEVICE (default cpu)")
+    DEVICE = requested_device(config.getoption("--device") or os.environ.get("KVLIB_TEST_DEVICE", "cpu"))
 
 
 def pytest_collection_modifyitems(config, items):
     if DEVICE.type == "cpu":
         return
-    skip = pytest.mark.skip(reason=f"CPU-only check; KVLIB_TEST_DEVICE={DEVICE} runs the tests marked `device`")
+    skip = pytest.mark.skip(reason=f"CPU-only check; --device {DEVICE} runs only the tests marked `device`")
     for item in items:
         if "device" not in item.keywords:
             item.add_marker(skip)

@@ -1,4 +1,4 @@
-"""The reference cross-checks, written to run on any device: ``KVLIB_TEST_DEVICE=cuda pytest tests``
+"""The reference cross-checks, written to run on any device: ``pytest --device cuda tests``
 runs these on the GPU and skips the CPU-only rest (with a reason). On the CPU they run as well."""
 
 import pytest
@@ -88,7 +88,7 @@ def test_quantized_cache_at_8_bits_keeps_greedy_tokens(model, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks that a decode step never syncs")
 def test_a_decode_step_never_waits_for_the_device(model, device):
     if device.type != "cuda":
-        pytest.skip("KVLIB_TEST_DEVICE is not cuda")
+        pytest.skip("the suite runs on the CPU: pytest --device cuda runs this")
     cache = StaticCache.for_model(CFG, 1, 16, device=device)
     prefill(model, ids(device), cache)
     tok = torch.zeros(1, dtype=torch.long, device=device)
@@ -98,3 +98,24 @@ def test_a_decode_step_never_waits_for_the_device(model, device):
             tok = decode_step(model, tok, cache).argmax(-1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name, says", [
+    ("cuda:99", r"--device cuda:99: this torch .* sees \d+ CUDA device\(s\), so nothing would run there"),
+    ("gpu", r"--device 'gpu' is not a torch device .*use cpu, cuda or cuda:N"),
+    ("mps", r"--device mps: the suite runs on cpu or cuda"),
+])
+def test_a_device_this_machine_lacks_stops_the_run_with_the_reason(name, says, tmp_path):
+    """Asked for a device it cannot use, pytest must stop with a usage error (exit 4) that says why,
+    not skip every test and report a pass. cuda:99 is missing on every machine."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "--device", name, str(tests / "test_config.py")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
+    assert re.search(says, run.stderr), run.stderr[-2000:]
