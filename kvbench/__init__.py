@@ -33,6 +33,7 @@ imports torch but not transformers (only (c) and (g) load it).
 
 from .cli import main
 from .compiled import compiled_step, operator_calls
+from .gpurecord import check_gpu_record, load_gpu_record
 from .generation import bench_chunked_prefill, bench_decode, bench_generation, pauses_while_prefilling
 from .invariant import invariant_cost
 from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2, race_hf
@@ -69,6 +70,6 @@ __all__ = [
     "engine_vs_vllm", "thread_scaling",
     # the report and the command line
     "load_average", "machine_info", "header", "table_rows", "targets", "print_report", "json_ready", "main",
-    # the stored run the chapters quote
-    "load_record",
+    # the stored run the chapters quote, and the GPU's (None until `make gpucheck` has run on one)
+    "load_record", "load_gpu_record", "check_gpu_record",
 ]
