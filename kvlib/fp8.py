@@ -3,6 +3,13 @@
 Where `kvlib.quant` rounds numbers onto an integer grid, e4m3 keeps a float's exponent: 1 sign, 4 exponent and 3
 mantissa bits, with one fp32 scale per layer or per KV head. `FP8Cache` stores keys and values this way;
 `quantize_fp8` and `fp8_scale` are the conversion. (Every name is importable from `kvlib.quant` too.)
+
+Host round-trips
+----------------
+None. A scale must be positive and finite: one given as a number is checked as a number, one on
+the CPU is read there, and a frozen scale is never checked again. A scale calibrated on an
+accelerator is not read (that would stall the device): it is positive by construction, and
+inf or NaN only if the prompt's keys were.
 """
 
 from __future__ import annotations
@@ -55,9 +62,23 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float | None = None, *, 
         raise TypeError(f"quantize_fp8 needs a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.numel() == 0:
         raise ValueError(f"quantize_fp8 needs a non-empty tensor, got shape {tuple(x.shape)}")
+    if isinstance(scale, torch.Tensor) and scale.device.type == "cpu" or isinstance(scale, (int, float)):
+        _check_scale(torch.as_tensor(scale, dtype=torch.float32))  # host values: free to read
     s = fp8_scale(x, per_head) if scale is None else torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if scale is None and s.device.type == "cpu":
+        _check_scale(s)  # a calibrated scale is finite iff x is; read on the host only
+    return _encode(x, s)
+
+
+def _check_scale(s: torch.Tensor) -> None:
+    """Scales on the host must be positive and finite. Never called on an accelerator's tensor: reading
+    it would stall the device (see "Host round-trips"); a scale given as a number is checked as one."""
     if not bool(((s > 0) & s.isfinite()).all()):
         raise ValueError(f"an fp8 scale must be positive and finite, got {s.tolist()}")
+
+
+def _encode(x: torch.Tensor, s: torch.Tensor) -> FP8Tensor:
+    """``x / s`` rounded to e4m3, saturating at ±448; ``s`` already checked (or frozen after its check)."""
     data = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return FP8Tensor(data, s, x.dtype)
 
@@ -96,7 +117,7 @@ class FP8Cache(Cache):
             new = quantize_fp8(x, self.scale, per_head=self.per_head)  # new storage: data and scale
             self.count_written(new)
             return new
-        codes = quantize_fp8(x, old.scale).data  # the frozen scale
+        codes = _encode(x, old.scale).data  # the frozen scale, checked when it was set: no read per step
         # Joined as bytes, a full copy: torch 2.5 (kvlib's floor) has no CPU cat for float8 ("cat_serial_kernel"
         # not implemented for 'Float8_e4m3fn'), and a view to uint8 and back moves no data on any torch.
         data = torch.cat([old.data.view(torch.uint8), codes.view(torch.uint8)], dim=2).view(FP8)  # (B, H, S + T, D)

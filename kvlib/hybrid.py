@@ -22,6 +22,13 @@ decides what each layer may see; the cache decides what each layer must *keep*::
 Positions stay absolute (token t is rotated at t), and the layout is ``(B, H_kv, S, D)``.
 A hybrid cache takes no padding mask: its layers hold different tokens, so one step mask
 cannot describe them all.
+
+Host round-trips
+----------------
+None. Which positions a layer holds follows from counts the host keeps (tokens seen, slots
+filled) and, for a window layer, a host copy of its ring's positions (``sinks + W`` ints).
+So the slots a step writes, how much a chunked layer keeps, and whether a layer's band is
+plain causal (no mask needed) are decided on the host; the device only gets index tensors.
 """
 
 from __future__ import annotations
@@ -75,16 +82,18 @@ class _Kinds(Cache):
 
     def reset(self) -> None:
         self.seen = [0] * self.n_layer  # tokens ever given to each layer
-        self.step: list[tuple | None] = [None] * self.n_layer  # (q_pos, k_pos) of each layer's last update
+        # (q_pos, k_pos, causal) of each layer's last update: positions on the device, causal on the host
+        self.step: list[tuple | None] = [None] * self.n_layer
         # this step's keys and values of a layer that others share, until its last reader has read them
         self.lent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _readers(self, src: int) -> list[int]:
         return [j for j, kind in enumerate(self.layers) if kind.kind == "shared" and kind.source == src]
 
-    def _done(self, layer_idx: int, k, v, q_pos, k_pos):
-        """Record a step of a layer that keeps a cache, and lend its keys to the layers sharing it."""
-        self.step[layer_idx] = (q_pos, k_pos)
+    def _done(self, layer_idx: int, k, v, q_pos, k_pos, causal: bool):
+        """Record a step of a layer that keeps a cache (``causal``: its band is plain bottom-right
+        causal, decided on the host), and lend its keys to the layers sharing it."""
+        self.step[layer_idx] = (q_pos, k_pos, causal)
         if self._readers(layer_idx):
             self.lent[layer_idx] = (k, v)
         return k, v
@@ -125,11 +134,20 @@ class _Kinds(Cache):
         if mask is not None:
             raise ValueError(f"{type(self).__name__} takes no step mask (padding): its layers hold different "
                              f"tokens, so one mask cannot describe them all")
-        q_pos, k_pos = self.step[layer_idx]
-        band = visible(self.layers[self.owner(layer_idx)], q_pos, k_pos)  # (T, S)
-        T, S = band.shape
-        causal = torch.ones(T, S, dtype=torch.bool, device=band.device).tril(S - T)
-        return None if torch.equal(band, causal) else band[None, None]  # (1, 1, T, S)
+        q_pos, k_pos, causal = self.step[layer_idx]
+        if causal:  # decided on the host when the layer was updated: no read of the band
+            return None
+        return visible(self.layers[self.owner(layer_idx)], q_pos, k_pos)[None, None]  # (1, 1, T, S)
+
+
+def plain_causal(kind: LayerKind, q_pos: list[int] | range, k_pos: list[int] | range) -> bool:
+    """Whether ``visible(kind, q_pos, k_pos)`` is the bottom-right causal band, from host positions:
+    then a layer needs no mask. It runs on the CPU, so it never waits for the device."""
+    if kind.kind == "full":
+        return True
+    q, k = torch.tensor(list(q_pos)), torch.tensor(list(k_pos))
+    T, S = len(q), len(k)
+    return torch.equal(visible(kind, q, k), torch.ones(T, S, dtype=torch.bool).tril(S - T))
 
 
 class Recompute(_Kinds):
@@ -158,7 +176,8 @@ class Recompute(_Kinds):
         self.seen[layer_idx] += T
         S = self.seen[layer_idx]
         k_pos = torch.arange(S, device=key_states.device)
-        return self._done(layer_idx, self.keys[layer_idx], self.values[layer_idx], k_pos[S - T:], k_pos)
+        causal = plain_causal(self.layers[layer_idx], range(S - T, S), range(S))
+        return self._done(layer_idx, self.keys[layer_idx], self.values[layer_idx], k_pos[S - T:], k_pos, causal)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen[self.owner(layer_idx)]
@@ -215,6 +234,7 @@ class HybridCache(_Kinds):
         self.keys: list[torch.Tensor | None] = [None] * self.n_layer
         self.values: list[torch.Tensor | None] = [None] * self.n_layer
         self.pos: list[torch.Tensor | None] = [None] * self.n_layer  # (slots,) absolute positions, -1 empty
+        self.ring: list[list[int] | None] = [None] * self.n_layer  # a window's pos, on the host
         self.held = [0] * self.n_layer  # filled slots
 
     # -- one step ---------------------------------------------------------------------------------
@@ -223,52 +243,61 @@ class HybridCache(_Kinds):
         kind = self.layers[layer_idx]
         if kind.kind == "shared":
             return self._read_shared(key_states, layer_idx)
-        T, dev = key_states.shape[2], key_states.device
-        q_pos = torch.arange(self.seen[layer_idx], self.seen[layer_idx] + T, device=dev)  # (T,)
+        T, dev, s0 = key_states.shape[2], key_states.device, self.seen[layer_idx]
+        q_pos = torch.arange(s0, s0 + T, device=dev)  # (T,)
         if kind.kind == "window" and T == 1 and self.keys[layer_idx] is not None:
-            self._write_ring(layer_idx, key_states, value_states, q_pos)  # decode: one slot, no copy
+            self._write_ring(layer_idx, key_states, value_states, s0)  # decode: one slot, no copy
             n = self.held[layer_idx]
             k, v, k_pos = self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n], self.pos[layer_idx][:n]
+            causal = True  # a window's decode step sees exactly what the layer holds
         else:  # a chunk: what is held plus the chunk, in order; then keep what later queries see
-            old = self.layer_kv(layer_idx)
-            k_pos = q_pos if old is None else torch.cat([self.pos[layer_idx][: self.held[layer_idx]], q_pos])
+            old, n = self.layer_kv(layer_idx), self.held[layer_idx]
+            k_pos = q_pos if old is None else torch.cat([self.pos[layer_idx][:n], q_pos])
             k = key_states if old is None else torch.cat([old[0], key_states], dim=2)  # (B, H_kv, S, D)
             v = value_states if old is None else torch.cat([old[1], value_states], dim=2)
-            if kind.kind == "window":
-                self._write_ring(layer_idx, key_states, value_states, q_pos)
-            else:
-                self._keep_in_order(layer_idx, kind, k, v, k_pos)
+            if kind.kind == "window":  # the held positions, on the host, then the chunk's
+                causal = plain_causal(kind, range(s0, s0 + T), (self.ring[layer_idx] or [])[:n] + [*range(s0, s0 + T)])
+                self._write_ring(layer_idx, key_states, value_states, s0)
+            else:  # full and chunked layers hold positions s0 - n .. s0 - 1, in order
+                causal = plain_causal(kind, range(s0, s0 + T), range(s0 - n, s0 + T))
+                self._keep_in_order(layer_idx, kind, k, v, k_pos, s0 + T - 1)
         self.seen[layer_idx] += T
-        return self._done(layer_idx, k, v, q_pos, k_pos)
+        return self._done(layer_idx, k, v, q_pos, k_pos, causal)
 
-    def _keep_in_order(self, i: int, kind: LayerKind, k, v, k_pos) -> None:
-        """Full and chunked layers: store ``k, v`` (all held plus the chunk), a chunked layer
-        only from the start of the last token's chunk."""
+    def _keep_in_order(self, i: int, kind: LayerKind, k, v, k_pos, last: int) -> None:
+        """Full and chunked layers: store ``k, v`` (all held plus the chunk, positions in order up
+        to ``last``), a chunked layer only from the start of the last token's chunk."""
         if kind.kind == "chunked":
-            start = int(k_pos[-1]) // kind.size * kind.size
-            keep = int((k_pos >= start).sum())
+            keep = min(k_pos.shape[0], last % kind.size + 1)  # from the chunk's start to `last`
             k, v, k_pos = k[:, :, -keep:], v[:, :, -keep:], k_pos[-keep:]
         self.keys[i], self.values[i] = self.own(k), self.own(v)  # a full copy, as torch.cat makes
         self.pos[i], self.held[i] = k_pos.clone(), k_pos.shape[0]
 
-    def _write_ring(self, i: int, k_new, v_new, q_pos) -> None:
-        """Window layers: write the new tokens that later queries can still see into their slots."""
+    def _write_ring(self, i: int, k_new, v_new, s0: int) -> None:
+        """Window layers: write the new tokens (positions ``s0 ..``) that later queries can still see
+        into their slots. The slots come from the host's count of tokens: no read of the device."""
         kind = self.layers[i]
-        W, n_sink = kind.size, kind.sinks
+        W, n_sink, T = kind.size, kind.sinks, k_new.shape[2]
         if self.keys[i] is None:
             B, H, _, D = k_new.shape
             self.keys[i] = k_new.new_zeros(B, H, n_sink + W, D)
             self.values[i] = v_new.new_zeros(B, H, n_sink + W, D)
             self.pos[i] = torch.full((n_sink + W,), -1, dtype=torch.long, device=k_new.device)
-        last = int(q_pos[-1])
-        keep = (q_pos > last - W) | (q_pos < n_sink)  # (T,): what a later query may see
-        p = q_pos[keep]
-        slots = torch.where(p < n_sink, p, n_sink + (p - n_sink) % W)  # (T',)
-        self.keys[i][:, :, slots] = k_new[:, :, keep]
-        self.values[i][:, :, slots] = v_new[:, :, keep]
-        self.pos[i][slots] = p
-        self.held[i] = int((self.pos[i] >= 0).sum())
-        self.count_written(self.keys[i][:, :, slots], self.values[i][:, :, slots])
+            self.ring[i] = [-1] * (n_sink + W)
+        last = s0 + T - 1
+        keep = [t for t in range(T) if s0 + t > last - W or s0 + t < n_sink]  # what a later query may see
+        slots = [p if p < n_sink else n_sink + (p - n_sink) % W for p in (s0 + t for t in keep)]
+        for t, slot in zip(keep, slots):
+            self.ring[i][slot] = s0 + t
+        self.held[i] = max(self.held[i], max(slots) + 1)  # filled slots are a prefix: they fill in order
+        if keep == list(range(T)) and slots == list(range(slots[0], slots[0] + T)):  # one run of slots
+            at, t_at = slice(slots[0], slots[0] + T), slice(None)  # decode: a slice, no index tensor
+        else:
+            at, t_at = (torch.tensor(x, device=k_new.device) for x in (slots, keep))  # host -> device
+        self.keys[i][:, :, at] = k_new[:, :, t_at]
+        self.values[i][:, :, at] = v_new[:, :, t_at]
+        self.pos[i][at] = torch.arange(s0, s0 + T, device=k_new.device)[t_at]
+        self.count_written(self.keys[i][:, :, at], self.values[i][:, :, at])
 
     # -- the rest of the protocol -----------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -289,6 +318,13 @@ class HybridCache(_Kinds):
         i = self.owner(layer_idx)
         return None if self.held[i] == 0 else self.pos[i][: self.held[i]]
 
+    def _held_positions(self, i: int) -> list[int] | range:
+        """Layer ``i``'s held positions in slot order, from the host: a window's ring copy, or the
+        ``held`` positions before ``seen`` that full and chunked layers keep in order."""
+        if self.ring[i] is not None:
+            return self.ring[i][: self.held[i]]
+        return range(self.seen[i] - self.held[i], self.seen[i])
+
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens of the text. Only possible while every window and
         chunk still holds what a query at the new end would see: evicted keys cannot come back."""
@@ -297,21 +333,23 @@ class HybridCache(_Kinds):
             return self.reset()
         for i, kind in enumerate(self.layers):
             if kind.kind in ("window", "chunked") and self.pos[i] is not None:
-                need = visible(kind, torch.tensor([keep - 1]), torch.arange(keep))[0].sum()
-                have = ((self.pos[i] >= 0) & (self.pos[i] < keep)).sum()
-                if int(have) != int(need):
+                need = int(visible(kind, torch.tensor([keep - 1]), torch.arange(keep))[0].sum())  # host
+                have = sum(0 <= p < keep for p in self._held_positions(i))
+                if have != need:
                     raise ValueError(f"cannot crop to {keep} tokens: layer {i} ({kind}) has evicted "
-                                     f"{int(need - have)} of the tokens the next query would see")
+                                     f"{need - have} of the tokens the next query would see")
         for i, kind in enumerate(self.layers):
+            held = self._held_positions(i)
             self.seen[i] = keep
             if kind.kind == "shared" or self.pos[i] is None:
                 continue
             if kind.kind == "window":
                 # the check above leaves a wrapped ring whole, so the emptied slots end the filled prefix
                 self.pos[i] = torch.where(self.pos[i] < keep, self.pos[i], -1)
-                self.held[i] = int((self.pos[i] >= 0).sum())
+                self.ring[i] = [p if p < keep else -1 for p in self.ring[i]]
+                self.held[i] = sum(p >= 0 for p in self.ring[i])
             else:
-                n = int((self.pos[i] < keep).sum())
+                n = sum(p < keep for p in held)
                 if n < self.held[i]:  # copies: a view would keep the whole old tensor alive, unseen by nbytes
                     self.keys[i], self.values[i] = self.own(self.keys[i][:, :, :n]), self.own(self.values[i][:, :, :n])
                     self.pos[i] = self.pos[i][:n].clone()

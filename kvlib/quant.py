@@ -20,6 +20,14 @@ token, and keeps the newest tokens in full precision.
 Scales and minimums are stored in fp16 (fp32 where a tensor's pass fp16's 65,504) and counted
 in ``nbytes``. 4-bit and 2-bit codes are packed two and four to a byte.
 
+Host round-trips
+----------------
+None in a decode step. Two checks read values: that the input is finite, and whether a
+tensor's scales fit fp16 (else they stay fp32). On the CPU they read host memory and run as
+they always have. On an accelerator reading them would stall the device at every flush, so
+`quantize` skips them there: scales are stored in fp16, and an input that holds inf or NaN,
+or a spread past fp16's ±65,504, gives inf or NaN where the CPU would raise or fall back to fp32.
+
 `FP8Cache` stores 8-bit floats instead (e4m3, vLLM's ``kv_cache_dtype="fp8"``),
 with one fp32 scale per layer or per KV head. (`kvlib.hf.HFQuantizedCache` runs
 Hugging Face's own ``QuantizedCache`` under a kvlib model, for comparison.)
@@ -80,7 +88,13 @@ def _fp16_at_most(x: torch.Tensor) -> torch.Tensor:
 
 
 def _finite(*xs: torch.Tensor | None) -> bool:
+    """True unless a tensor holds inf or NaN. It reads the tensors, so it runs on host values only:
+    on an accelerator it would stall the device at every flush (see "Host round-trips")."""
     return all(bool(x.isfinite().all()) for x in xs if x is not None)  # in fp16: nothing past ±65,504
+
+
+def _on_host(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu"
 
 
 @dataclass
@@ -122,14 +136,16 @@ def quantize(
     ``group_size=None`` shares one scale across the whole axis.
 
     Scales and minimums are computed in fp32 and stored in fp16, rounded outward, unless one of
-    them is past fp16's ±65,504: then the tensor's stay fp32 (4 bytes each in ``nbytes``).
+    them is past fp16's ±65,504: then the tensor's stay fp32 (4 bytes each in ``nbytes``). That
+    check, and the one for inf or NaN, read values: they run on CPU tensors only (module docstring).
     """
     _check_bits(bits)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"quantize needs a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() == 0 or x.numel() == 0:
         raise ValueError(f"quantize needs a non-empty tensor with at least one dim, got shape {tuple(x.shape)}")
-    if not _finite(x):
+    host = _on_host(x)  # the checks below read values: on the host only (see "Host round-trips")
+    if host and not _finite(x):
         raise ValueError(f"quantize needs finite numbers; x {tuple(x.shape)} holds inf or NaN")
     dim = dim % x.dim()
     n = x.shape[dim]
@@ -144,9 +160,9 @@ def quantize(
     lo, top = (None, xg.abs().amax(-1)) if symmetric else (xg.amin(-1), xg.amax(-1))  # (..., groups)
     low = None if symmetric else _fp16_at_most(lo)  # never above the true minimum
     half = _fp16_at_least((top if symmetric else top - low.float()) / qmax)
-    scale, minimum = (half, low) if _finite(low, half) else (  # past fp16's ±65,504: fp32, never inf
+    scale, minimum = (half, low) if not host or _finite(low, half) else (  # past fp16's ±65,504: fp32
         (top if symmetric else top - lo) / qmax, lo)
-    if not _finite(scale):  # only a spread past fp32's own 3.4e38
+    if host and not _finite(scale):  # only a spread past fp32's own 3.4e38
         raise ValueError(f"quantize: a group's spread overflows fp32 (max |x| {float(xg.abs().max()):.3g})")
     s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))[..., None]
     if symmetric:
