@@ -225,6 +225,21 @@ def _groupable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
             and _padding_mask(mask, B, k.shape[2]))
 
 
+def is_plain_causal(mask: torch.Tensor | None, q_len: int, k_len: int) -> bool:
+    """Whether ``mask`` ``(1, 1, q_len, k_len)`` is the bottom-right causal one that `attend` hands a
+    kernel for ``mask=None``, so a kernel may take SDPA's own causal path instead.
+
+    On the CPU the mask is compared with `causal_mask`. On an accelerator that comparison would
+    wait for the device, so the shape decides: a ``(1, 1, T, S)`` bool mask is taken as that causal
+    one (a padding mask has a row per sequence; one padded sequence alone is the case this misreads).
+    """
+    if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, q_len, k_len):
+        return False
+    if mask.device.type != "cpu":
+        return True
+    return torch.equal(mask[0, 0], causal_mask(q_len, k_len))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            impl: AttentionImpl = "sdpa") -> torch.Tensor:
     """One layer's attention for a step: the mask decision, then the kernel ``impl``.

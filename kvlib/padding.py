@@ -60,11 +60,17 @@ def position_ids(valid: torch.Tensor) -> torch.Tensor:
     return (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
 
 
+def _check_rows(valid: torch.Tensor) -> None:
+    """Every row needs a real token (else its logits are NaN). One read of ``valid``, once per
+    padded batch, never per step; a ``meta`` tensor has no values to read, so it is not checked."""
+    if valid.device.type != "meta" and not bool(valid.any(dim=-1).all()):
+        raise ValueError(f"rows {(~valid.any(dim=-1)).nonzero().flatten().tolist()} have no real token")
+
+
 def last_index(valid: torch.Tensor) -> torch.Tensor:
     """``(B,)`` column of each row's last real token: where its next-token logits are."""
     _check_valid(valid)
-    if not bool(valid.any(dim=-1).all()):
-        raise ValueError(f"rows {(~valid.any(dim=-1)).nonzero().flatten().tolist()} have no real token")
+    _check_rows(valid)
     T = valid.shape[-1]
     cols = torch.arange(T, device=valid.device).expand_as(valid)  # (B, T)
     return torch.where(valid, cols, -1).amax(dim=-1)
@@ -104,8 +110,7 @@ class PaddedBatch(Cache):
         _check_valid(valid)
         if cache.seq_len != 0:
             raise ValueError(f"padded prompts need an empty cache; this one already holds {cache.seq_len} tokens")
-        if not bool(valid.any(dim=-1).all()):
-            raise ValueError(f"rows {(~valid.any(dim=-1)).nonzero().flatten().tolist()} have no real token")
+        _check_rows(valid)  # once, before the prefill: a decode step reads nothing
         super().__init__(cache.n_layer)
         self.inner, self.valid = cache, valid.clone()  # the caller may reuse its mask
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import attend, causal_mask, repeat_kv, softmax
+from .attention import attend, causal_mask, is_plain_causal, repeat_kv, softmax
 from .evict import _Budgeted
 from .model import Transformer, apply_rope, rope_cos_sin
 from .validate import int_at_least, positive_int
@@ -117,7 +117,7 @@ class SnapKVPress(Press):
         s = w.mean(dim=-2)  # (B, H, S - window): averaged over the window's queries
         s = F.avg_pool1d(s, self.kernel_size, stride=1, padding=self.kernel_size // 2)  # zeros pad the ends
         s = _by_kv_head(s, H_kv)  # (B, H_kv, S - window)
-        return F.pad(s, (0, self.window_size), value=s.max().item() + 1)  # the window: kept first
+        return torch.cat([s, (s.max() + 1).expand(*s.shape[:-1], self.window_size)], -1)  # the window: kept
 
 
 @dataclass
@@ -162,7 +162,7 @@ class TOVAPress(Press):
         self.validate(S)
         s = window_attention(queries, keys, 1)[:, :, 0].mean(dim=1)  # (B, S - 1): mean over every head
         s = s[:, None].expand(B, H_kv, S - 1)  # (B, H_kv, S - 1): the same for each KV head
-        return F.pad(s, (0, 1), value=s.max().item() + 1)  # the last token: kept
+        return torch.cat([s, (s.max() + 1).expand(*s.shape[:-1], 1)], -1)  # the last token: kept (no read)
 
 
 @dataclass
@@ -220,7 +220,7 @@ class ExpectedAttentionPress(Press):
         if self.use_vnorm:
             s = (s + self.epsilon) * values[:, :, n:].float().norm(dim=-1)
         s = s.to(keys.dtype)
-        return F.pad(s, (n, 0), value=s.max().item() + 1)  # the sinks: kept first
+        return torch.cat([(s.max() + 1).expand(*s.shape[:-1], n), s], -1)  # the sinks: kept first (no read)
 
 
 @dataclass
@@ -325,7 +325,7 @@ class PressCache(_Budgeted):
         if self.last_layer is None or k.shape[2] != self.get_seq_length(self.last_layer):
             raise ValueError("PressCache.attention must follow this cache's own update in the same layer")
         T, S = q.shape[2], k.shape[2]
-        if mask is not None and mask.shape[:2] == (1, 1) and torch.equal(mask[0, 0], causal_mask(T, S, device=q.device)):
+        if is_plain_causal(mask, T, S):  # decided without reading a device's mask (kvlib.attention)
             mask = None  # `attend` gives every kernel an explicit mask: a plain causal one takes SDPA's own path
         y = attend(q, k, v, mask, "sdpa")  # the model's default kernel, bit for bit
         self._compress(self.last_layer, q)
