@@ -28,6 +28,11 @@ The cache is what makes it work, and what must be repaired: the verify forward
 wrote K/V for every proposal, so after a rejection the target cache is rolled
 back with ``cache.crop(n)`` (``PagedCache.truncate`` for a paged one).
 
+Host round-trips
+----------------
+Inherent: the accepted count decides what the cache keeps, so a verify step reads each examined guess's ``p/q``, each
+uniform and each draw (greedy: 1 per guess examined, then 2), and once a draft's ``q`` checks; tensors stay on the device.
+
 The draft protocol: ``propose(context_ids, k) -> list[int]`` (at most ``k`` tokens),
 taken as a one-hot ``q`` at each token, which is exactly lossless however the tokens
 were chosen. A draft that knows its distribution may add ``propose_probs(context_ids,
@@ -304,24 +309,23 @@ def _propose(
     if len(guess) > k or any(not 0 <= t < vocab for t in guess):
         raise ValueError(f"the draft proposed {guess} for k={k}: at most k ids in [0, {vocab})")
     if q is None:  # tokens only: a one-hot q at each token
-        return guess, torch.nn.functional.one_hot(torch.tensor(guess, dtype=torch.long), vocab).float().to(device)
+        return guess, torch.nn.functional.one_hot(torch.tensor(guess, dtype=torch.long, device=device), vocab).float()
     if not isinstance(q, torch.Tensor) or not q.is_floating_point():
-        got = f"{type(q).__name__} {getattr(q, 'dtype', '')}"
-        raise TypeError(f"the draft's q must be a float tensor (n, vocab), got {got}")
+        raise TypeError(f"the draft's q must be a float tensor (n, vocab), got {type(q).__name__} {getattr(q, 'dtype', '')}")
     if tuple(q.shape) != (len(guess), vocab):
         raise ValueError(f"the draft's q has shape {tuple(q.shape)}; {len(guess)} tokens need ({len(guess)}, {vocab})")
     q = q.to(device=device, dtype=torch.float32)
     if not guess:
         return guess, q
-    if not bool(torch.isfinite(q).all()) or float(q.min()) < 0:
+    sums, at = q.sum(-1), q[torch.arange(len(guess), device=device), torch.tensor(guess, device=device)]  # (n,) each
+    finite_bad, sum_bad, zero_bad = torch.stack([  # the checks' one read; the messages read more, on failure only
+        ~torch.isfinite(q).all() | (q.min() < 0), ((sums - 1).abs() > 1e-3).any(), (at <= 0).any()]).tolist()
+    if finite_bad:
         raise ValueError(f"the draft's q must be finite and >= 0, got min {float(q.min())}")
-    sums = q.sum(-1)  # (n,)
-    worst = int((sums - 1).abs().argmax())
-    if abs(float(sums[worst]) - 1) > 1e-3:
-        total = float(sums[worst])
-        raise ValueError(f"each row of the draft's q must sum to 1 (within 1e-3); row {worst} sums to {total}")
-    at = q[torch.arange(len(guess)), torch.tensor(guess)]  # (n,): q_i(d_i)
-    if not bool((at > 0).all()):
+    if sum_bad:
+        worst = int((sums - 1).abs().argmax())
+        raise ValueError(f"each row of the draft's q must sum to 1 (within 1e-3); row {worst} sums to {float(sums[worst])}")
+    if zero_bad:
         i = int((at <= 0).nonzero()[0])
         raise ValueError(f"the draft proposed token {guess[i]} at position {i} with q = 0: it cannot have drawn it")
     return guess, q
