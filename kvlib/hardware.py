@@ -36,6 +36,7 @@ from .config import ModelConfig
 from .generate import decode_step
 from .model import Linear, Transformer
 from .native import fast_dtype, last_level_cache_bytes  # noqa: F401  (re-exported here)
+from .timing import fastest_of
 from .validate import int_at_least, positive_int
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -237,24 +238,6 @@ GPT_FAST_A100: dict[str, tuple[float, float]] = {
 
 
 # -- measuring the machine you are on -------------------------------------------------------------
-def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
-    """Fastest of ``repeats`` timed calls after one warm-up: noise only ever adds time."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def best(fn: Callable[[], object]) -> float:
-        fn()
-        sync()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    return best
-
-
 def _matrices(config: ModelConfig | None, nbytes: int, dtype: torch.dtype, device: torch.device) -> list:
     """Matrices totalling at least ``nbytes``, in kvlib's ``(in, out)`` layout.
 
@@ -331,9 +314,9 @@ def measure(config: ModelConfig | None, dtype: str, device: str | torch.device |
     """Profile the machine running this: a `Hardware` whose numbers are measured, not quoted.
 
     * ``mem_bandwidth``: bytes/s of one vector times matrices totalling ``nbytes``
-      (more than a CPU's last-level cache, so they stream from memory);
+      (more than a CPU's last-level cache or a GPU's L2, 50 MB on an H100: they stream from memory);
     * ``matmul_rows``: FLOP/s of the same matrices times ``rows`` rows each;
-    * ``peak_flops[dtype]``: a 2048-square matrix product;
+    * ``peak_flops[dtype]``: a 2048-square matrix product (8192-square on a GPU);
     * with a ``config``: the matrices are its own (`_matrices`); ``attention_rows`` is
       kvlib's attention reading caches of its head shape at each batch in ``rows``; and
       ``overhead`` (plus ``overhead_per_row``) is what a step of its depth and width
@@ -352,7 +335,7 @@ def measure(config: ModelConfig | None, dtype: str, device: str | torch.device |
         memory.check_config(config)
     dev = torch.device(device if device is not None else "cpu")
     tdt, width = TORCH_DTYPES[dtype], memory.dtype_bytes(dtype)
-    best = _timer(dev, repeats)
+    best = fastest_of(dev, repeats)  # CUDA: timed with CUDA events (kvlib.timing)
     mats = _matrices(config, nbytes, tdt, dev)
     # Past 32 rows a matmul reuses each weight so often that it is compute-bound wherever
     # the weights sit, so a quarter of the matrices is enough and four times quicker.
@@ -362,8 +345,9 @@ def measure(config: ModelConfig | None, dtype: str, device: str | torch.device |
         curve[m] = 2 * m * sum(w.numel() for w in used) / best(_sweep(used, m))
     bandwidth = curve[1] * width / 2  # one row: 2 FLOPs per weight read, so bytes/s = FLOP/s * width / 2
     del mats
-    a = torch.full((2048, 2048), 0.01, dtype=tdt, device=dev)
-    peak = 2 * 2048**3 / best(lambda: a @ a)
+    n = 2048 if dev.type == "cpu" else 8192  # a GPU does 2048 squared in microseconds: launch-bound
+    a = torch.full((n, n), 0.01, dtype=tdt, device=dev)
+    peak = 2 * n**3 / best(lambda: a @ a)
     del a
     overhead = per_row = 0.0
     attn = {}

@@ -3,6 +3,12 @@
 Every timing is wall-clock ``time.perf_counter``, warmed up first, and reported as a
 median with the raw samples beside it: CPUs are noisy, so compare ratios measured in
 the same run rather than absolute numbers across machines.
+
+A GPU runs its work asynchronously: a CUDA call returns once the work is queued, so a clock
+read right after it measures the launch, not the work. Every timer here therefore waits for
+the device before reading the clock (`synchronizer`: ``torch.cuda.synchronize``), and
+`fastest_of` times a CUDA call with CUDA events, the device's own clock. On the CPU there is
+nothing to wait for, and the timers run exactly as they always have.
 """
 
 from __future__ import annotations
@@ -54,19 +60,77 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:
+def _no_sync() -> None:
+    """The CPU's synchronizer: its work is done when the call returns."""
+
+
+def synchronizer(device: torch.device | str | None = None) -> Callable[[], None]:
+    """What a timer calls before reading the clock, so that the timed work has finished.
+
+    ``torch.cuda.synchronize(device)`` for a CUDA ``device``; nothing for any other. With
+    ``device=None``: CUDA's whenever this process has started CUDA (work may be queued there),
+    else nothing, so a CPU-only run never touches CUDA.
+
+    >>> kvlib.timing.synchronizer("cpu")()  # nothing to wait for
+    """
+    if device is None:
+        return torch.cuda.synchronize if torch.cuda.is_initialized() else _no_sync
+    device = torch.device(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _no_sync
+
+
+def fastest_of(device: torch.device | str, repeats: int) -> Callable[[Callable[[], object]], float]:
+    """A timer: the fastest (seconds) of ``repeats`` calls of a function, after one warm-up call.
+
+    Noise only ever adds time, so the minimum is the least disturbed run. On the CPU each call
+    is timed with ``time.perf_counter``. On CUDA, with two CUDA events recorded around it on the
+    device's stream, read after one synchronize: the device's own clock, with no host wait
+    inside the span it measures. (`kvlib.hardware.measure` times with this.)
+    """
+    positive_int("repeats", repeats)
+    device = torch.device(device)
+    sync = synchronizer(device)
+
+    def once(fn: Callable[[], object]) -> float:
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        stream = torch.cuda.current_stream(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # ms -> s
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        sync()  # the warm-up is finished before the first timed call starts
+        return min(once(fn) for _ in range(repeats))
+
+    return best
+
+
+def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5,
+           device: torch.device | str | None = None) -> dict:
     """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed.
 
-    Returns ``{"median": s, "min": s, "all": [s, ...]}`` in seconds.
+    Returns ``{"median": s, "min": s, "all": [s, ...]}`` in seconds. Each timed call starts
+    and ends with a `synchronizer` of ``device`` (None: CUDA's if CUDA is in use), so GPU work
+    is timed to its end; on the CPU that is a no-op.
     """
     int_at_least("warmup", warmup, 0)
     int_at_least("repeats", repeats, 1)
+    sync = synchronizer(device)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return {"median": statistics.median(times), "min": min(times), "all": times}
 
@@ -77,7 +141,7 @@ def time_generation(
     """Greedy ``generate`` (or ``generate_naive``) of ``n`` tokens: (last output, timings)."""
     run = generate_naive if naive else generate
     outs = []
-    timing = timeit(lambda: outs.append(run(model, ids, n)), warmup=warmup, repeats=repeats)
+    timing = timeit(lambda: outs.append(run(model, ids, n)), warmup=warmup, repeats=repeats, device=model.device)
     return outs[-1], timing
 
 
@@ -134,7 +198,7 @@ def round_robin(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)  # GPU work is async
+    sync = synchronizer()  # GPU work is async: CUDA's synchronize if CUDA is in use
     best = {k: float("inf") for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
@@ -148,11 +212,12 @@ def round_robin(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
 
 def decode_latency(model: Transformer, ids: torch.Tensor, context: int, steps: int = 20) -> dict:
     """Timings (seconds) of ``steps`` single decode steps at a fixed ``context``."""
-    return timeit(decode_stepper(model, ids, context), warmup=2, repeats=steps)
+    return timeit(decode_stepper(model, ids, context), warmup=2, repeats=steps, device=model.device)
 
 
-def matvec_bandwidth(in_features: int, out_features: int, count: int = 1, repeats: int = 10) -> dict:
-    """GB/s of one vector times ``count`` distinct fp32 matrices, in both layouts.
+def matvec_bandwidth(in_features: int, out_features: int, count: int = 1, repeats: int = 10,
+                     *, device: torch.device | str = "cpu") -> dict:
+    """GB/s of one vector times ``count`` distinct fp32 matrices on ``device``, in both layouts.
 
     ``in_out`` stores W ``(in, out)`` and computes ``x @ W`` (kvlib's Linear);
     ``out_in`` stores ``(out, in)`` and calls ``F.linear(x, W)`` (nn.Linear).
@@ -161,8 +226,8 @@ def matvec_bandwidth(in_features: int, out_features: int, count: int = 1, repeat
     for name, v in (("in_features", in_features), ("out_features", out_features), ("count", count),
                     ("repeats", repeats)):
         positive_int(name, v)
-    x = torch.randn(1, in_features)  # (1, in)
-    mats = {"in_out": [torch.randn(in_features, out_features) for _ in range(count)]}  # count x (in, out)
+    x = torch.randn(1, in_features, device=device)  # (1, in)
+    mats = {"in_out": [torch.randn(in_features, out_features, device=device) for _ in range(count)]}  # (in, out)
     mats["out_in"] = [w.t().contiguous() for w in mats["in_out"]]  # count x (out, in): same numbers, nn.Linear layout
 
     def sweep(layout: str) -> None:
@@ -173,6 +238,6 @@ def matvec_bandwidth(in_features: int, out_features: int, count: int = 1, repeat
     times = {k: [] for k in mats}
     for _ in range(repeats):
         for layout in times:
-            times[layout].append(timeit(lambda: sweep(layout), warmup=1, repeats=1)["median"])
+            times[layout].append(timeit(lambda: sweep(layout), warmup=1, repeats=1, device=device)["median"])
     nbytes = sum(w.nbytes for w in mats["in_out"])
     return {layout: nbytes / statistics.median(t) / 1e9 for layout, t in times.items()}

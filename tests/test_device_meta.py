@@ -267,3 +267,56 @@ def test_speculative_reads_per_verify_step():
     assert stats.proposed_per_step == [2, 2, 2, 2, 1, 0] and stats.accepted_per_step == [0] * 6
     assert len(reads) == 1 + 2 + 5 * (1 + 1 + 2) + 2
     assert reads[:3] == ["tolist", "__int__", "__bool__"]
+
+
+# -- timers wait for the device (CUDA faked: no GPU here) ----------------------------------------------
+@pytest.fixture
+def cuda_log(monkeypatch):
+    """A log of what a timer does: "fn" per call of the timed function, "sync" per
+    ``torch.cuda.synchronize``, and the fake CUDA events' records and waits."""
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing  # elapsed_time needs it
+
+        def record(self, stream=None):
+            self.name = "end" if log and log[-1] == "fn" else "start"
+            log.append(f"record {self.name}")
+
+        def synchronize(self):
+            log.append(f"wait {self.name}")
+
+        def elapsed_time(self, other):
+            return 2.0  # ms
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    return log
+
+
+def test_timeit_waits_for_cuda_around_every_timed_call(cuda_log):
+    kvlib.timing.timeit(lambda: cuda_log.append("fn"), warmup=1, repeats=2, device="cuda")
+    assert cuda_log == ["fn"] + ["sync", "fn", "sync"] * 2
+
+
+def test_timers_on_the_cpu_never_touch_cuda(cuda_log, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    kvlib.timing.timeit(lambda: cuda_log.append("fn"), warmup=1, repeats=2)
+    kvlib.timing.timeit(lambda: cuda_log.append("fn"), warmup=0, repeats=1, device="cpu")
+    kvlib.timing.round_robin({"a": lambda: cuda_log.append("fn")}, repeats=1, warmup=0)
+    assert kvlib.timing.fastest_of("cpu", 2)(lambda: cuda_log.append("fn")) >= 0
+    assert cuda_log == ["fn"] * 8  # 3 + 1 + 1 + 3 calls, and nothing else
+
+
+def test_round_robin_waits_for_cuda_once_cuda_is_in_use(cuda_log, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    kvlib.timing.round_robin({"a": lambda: cuda_log.append("fn")}, repeats=2, warmup=0)
+    assert cuda_log == ["sync", "fn", "sync"] * 2
+
+
+def test_fastest_of_times_cuda_with_events(cuda_log):
+    best = kvlib.timing.fastest_of("cuda", 2)(lambda: cuda_log.append("fn"))
+    assert best == pytest.approx(0.002)  # the events' 2 ms, not the host's clock
+    assert cuda_log == ["fn", "sync"] + ["record start", "fn", "record end", "wait end"] * 2
