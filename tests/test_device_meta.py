@@ -18,6 +18,7 @@ asserted against the number each module's "Host round-trips" docstring section g
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from contextlib import contextmanager
 
 import pytest
@@ -320,3 +321,30 @@ def test_fastest_of_times_cuda_with_events(cuda_log):
     best = kvlib.timing.fastest_of("cuda", 2)(lambda: cuda_log.append("fn"))
     assert best == pytest.approx(0.002)  # the events' 2 ms, not the host's clock
     assert cuda_log == ["fn", "sync"] + ["record start", "fn", "record end", "wait end"] * 2
+
+
+# -- the documented round-trips -------------------------------------------------------------------------
+def round_trips_section(module: str) -> str | None:
+    """The text under a module docstring's "Host round-trips" heading, or None without one."""
+    doc = importlib.import_module(module).__doc__ or ""
+    if "Host round-trips\n----------------\n" not in doc:
+        return None
+    return doc.split("Host round-trips\n----------------\n", 1)[1].split("\n\n", 1)[0]
+
+
+@pytest.mark.parametrize("module", sorted(HOST_ROUND_TRIPS))
+def test_each_inherent_round_trip_is_documented_where_it_happens(module):
+    text = round_trips_section(module)
+    assert text is not None, f"{module}'s docstring needs a 'Host round-trips' section: {HOST_ROUND_TRIPS[module]}"
+    assert not text.startswith("None."), f"{module} says it makes none, but HOST_ROUND_TRIPS lists it"
+
+
+@pytest.mark.parametrize("module", ["kvlib.quant", "kvlib.fp8", "kvlib.hybrid"])
+def test_modules_that_say_none_make_none(module):
+    assert round_trips_section(module).startswith("None"), "the meta tests above hold it to that"
+    assert module not in HOST_ROUND_TRIPS
+
+
+def test_quantize_on_an_accelerator_keeps_fp16_scales_without_reading():
+    q = kvlib.quant.quantize(torch.zeros(1, 2, 8, 4, device=META), 4, dim=-2)  # fp32 in: CPU would check it
+    assert q.scale.dtype == torch.float16 and q.scale.device == META and q.codes.device == META
