@@ -31,7 +31,7 @@ back with ``cache.crop(n)`` (``PagedCache.truncate`` for a paged one).
 Host round-trips
 ----------------
 Inherent: the accepted count decides what the cache keeps, so a verify step reads each examined guess's ``p/q``, each
-uniform and each draw (greedy: 1 per guess examined, 1 after a rejection, 2 per draw) and once a draft's ``q``.
+uniform and each draw (greedy: 1 per guess examined, 1 after a rejection, 2 per draw), a draft's ``q`` once; the prompt once.
 
 The draft protocol: ``propose(context_ids, k) -> list[int]`` (at most ``k`` tokens),
 taken as a one-hot ``q`` at each token, which is exactly lossless however the tokens
