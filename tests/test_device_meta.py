@@ -348,3 +348,28 @@ def test_modules_that_say_none_make_none(module):
 def test_quantize_on_an_accelerator_keeps_fp16_scales_without_reading():
     q = kvlib.quant.quantize(torch.zeros(1, 2, 8, 4, device=META), 4, dim=-2)  # fp32 in: CPU would check it
     assert q.scale.dtype == torch.float16 and q.scale.device == META and q.codes.device == META
+
+
+# -- the attention kernels and weight formats a model can run with ------------------------------------
+KERNELS = {
+    "reference": lambda m: m.set_attention_impl("reference"),
+    "online-softmax": lambda m: m.set_attention_impl(kvlib.kernels.online_softmax_attention),
+    "split-kv": lambda m: m.set_attention_impl(kvlib.kernels.split_kv(2)),
+    "batch-invariant": lambda m: m.set_batch_invariant(True),
+    "int8-weights": lambda m: kvlib.wquant.quantize_weights(m, "int8"),  # int4's kernel is torch's CPU-only one
+}
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernels_and_weight_formats_run_on_the_model_device(name):
+    model = meta_model()
+    KERNELS[name](model)
+    cache = DynamicCache(CFG.n_layer)
+    logits = decode3(model, cache, prefill(model, ids(2, 5), cache))
+    assert_on_meta(cache, logits)
+
+
+def test_paged_attention_loop_reads_the_pool_in_place():
+    pool = torch.zeros(4, 4, 2, 8, device=META)  # (blocks, block_size, H_kv, D)
+    out = kvlib.paged.paged_attention_loop(torch.zeros(4, 8, device=META), pool, pool, [1, 2], 6)  # host table
+    assert out.device == META and out.shape == (4, 8)
