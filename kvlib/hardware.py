@@ -36,7 +36,7 @@ from .config import ModelConfig
 from .generate import decode_step
 from .model import Linear, Transformer
 from .native import fast_dtype, last_level_cache_bytes  # noqa: F401  (re-exported here)
-from .timing import fastest_of
+from .timing import fastest_of, graphed
 from .validate import int_at_least, positive_int
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -322,6 +322,10 @@ def measure(config: ModelConfig | None, dtype: str, device: str | torch.device |
       ``overhead`` (plus ``overhead_per_row``) is what a step of its depth and width
       spends outside its matmuls (see `_overhead`).
 
+    On a GPU the timers read CUDA events (`kvlib.timing.fastest_of`), and the matrix and
+    attention sweeps replay from a CUDA graph (`kvlib.timing.graphed`): eagerly, a small
+    matrix's launch takes longer than its bytes, and the sweep would measure launches.
+
     ``dtype`` (required: what runs fast differs by machine, ``"fp32"`` on most CPUs) is
     the width of the numbers timed. Takes a few seconds and ``nbytes`` (twice, briefly) of memory.
     """
@@ -342,7 +346,7 @@ def measure(config: ModelConfig | None, dtype: str, device: str | torch.device |
     curve = {}
     for m in sorted(set(rows) | {1}):
         used = mats if m <= 32 else mats[: max(1, len(mats) // 4)]
-        curve[m] = 2 * m * sum(w.numel() for w in used) / best(_sweep(used, m))
+        curve[m] = 2 * m * sum(w.numel() for w in used) / best(graphed(_sweep(used, m), dev))  # GPU: one launch
     bandwidth = curve[1] * width / 2  # one row: 2 FLOPs per weight read, so bytes/s = FLOP/s * width / 2
     del mats
     n = 2048 if dev.type == "cpu" else 8192  # a GPU does 2048 squared in microseconds: launch-bound
@@ -358,7 +362,7 @@ def measure(config: ModelConfig | None, dtype: str, device: str | torch.device |
             S = min(max(1, nbytes // (2 * L * b * Hkv * D * width)), config.max_seq_len)  # caches total nbytes
             kv = buf[: 2 * L * b * Hkv * S * D].view(2 * L, b, Hkv, S, D)  # every layer's K and V
             q = torch.full((b, H, 1, D), 0.01, dtype=tdt, device=dev)
-            attn[b] = kv.nbytes / best(lambda: [attend(q, kv[2 * i], kv[2 * i + 1], None) for i in range(L)])
+            attn[b] = kv.nbytes / best(graphed(lambda: [attend(q, kv[2 * i], kv[2 * i + 1], None) for i in range(L)], dev))
         del buf
         overhead, per_row = _overhead(config, (1, max(rows)), tdt, dev, best, nbytes)
     if dev.type == "cuda":

@@ -112,6 +112,34 @@ def fastest_of(device: torch.device | str, repeats: int) -> Callable[[Callable[[
     return best
 
 
+def graphed(fn: Callable[[], object], device: torch.device | str) -> Callable[[], object]:
+    """``fn`` replayed from a CUDA graph on a CUDA ``device``; ``fn`` itself on any other.
+
+    Launching a kernel costs the host a few microseconds, and a GPU streams a small matrix
+    faster than that, so a sweep of small matrices timed eagerly measures the launches, not
+    the memory. A CUDA graph records the kernels once and replays them in one launch (what
+    CUDA graphs remove from a decode step). ``fn`` must be capturable (no host reads, static
+    inputs); if capture fails for any reason, ``fn`` is returned and runs eagerly (where an
+    error of its own raises again).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return fn
+    try:
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # warm up off the default stream, as capture asks
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+    except Exception:  # noqa: BLE001 (any failure to capture: time it eagerly instead)
+        return fn
+    return graph.replay
+
+
 def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5,
            device: torch.device | str | None = None) -> dict:
     """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed.

@@ -373,3 +373,11 @@ def test_paged_attention_loop_reads_the_pool_in_place():
     pool = torch.zeros(4, 4, 2, 8, device=META)  # (blocks, block_size, H_kv, D)
     out = kvlib.paged.paged_attention_loop(torch.zeros(4, 8, device=META), pool, pool, [1, 2], 6)  # host table
     assert out.device == META and out.shape == (4, 8)
+
+
+def test_graphed_is_the_function_itself_off_cuda_and_when_capture_fails():
+    def fn():
+        return 1
+    assert kvlib.timing.graphed(fn, "cpu") is fn
+    if not torch.cuda.is_available():  # capture cannot even start: the sweep runs eagerly
+        assert kvlib.timing.graphed(fn, "cuda") is fn
