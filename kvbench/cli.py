@@ -1,6 +1,7 @@
 """Measure the book's performance claims on this machine, all in one run.
 
     python -m kvbench [--json PATH] [--quick] [--threads N] [--compile] [--chunked] [--invariant]
+    python -m kvbench --device cuda [--smoke] [--json PATH] ...   # the GPU check: `kvbench.gpu`
 
 `main` is the driver: it loads SmolLM2 once, runs the sections in order (each in its
 module, named in `kvbench`), prints the report (`kvbench.report`) and optionally
@@ -42,7 +43,16 @@ def _threads(s: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every section at `FULL` sizes (`QUICK` with ``--quick``) and report; 0 if all tokens agreed."""
+    """Run every section at `FULL` sizes (`QUICK` with ``--quick``) and report; 0 if all tokens agreed.
+
+    With ``--device`` it runs the GPU check instead (`kvbench.gpu.main`: random weights at two
+    models' shapes, no SmolLM2 file, no Hugging Face), which takes its own arguments.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--device" or a.startswith("--device=") for a in argv):
+        from .gpu import main as gpu_main  # imported here: the CPU report never needs it
+
+        return gpu_main(argv)
     p = argparse.ArgumentParser(prog="python -m kvbench", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
