@@ -217,3 +217,11 @@ def test_spec_bandwidth_by_gpu_name():
     assert gpubench.spec_bandwidth("NVIDIA H200") == HARDWARE["h200"].mem_bandwidth
     assert gpubench.spec_bandwidth("NVIDIA H100 PCIe") is None  # another part's bandwidth: not guessed
     assert gpubench.spec_bandwidth(None) is None
+
+
+def test_the_checks_page_states_the_targets_the_check_applies():
+    page = (ROOT / "book" / "checks.md").read_text()
+    lo, hi = gpubench.ROOFLINE_BAND
+    assert f"**{gpu.HBM_TARGET:.0%} or more of the memory's copy bandwidth**" in page
+    assert f"**{lo} to {hi} times the roofline's prediction**" in page
+    assert "No GPU has run the check yet" in page or (ROOT / "kvbench" / "data" / "bench_gpu.json").exists()
