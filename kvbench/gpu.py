@@ -184,8 +184,11 @@ def suite_counts(xml_path: str | os.PathLike | None, seconds: float | None = Non
     root = ET.parse(xml_path).getroot()
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
     n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    return out | {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"],
-                  "skipped": n["skipped"], "errors": n["errors"]}
+    out |= {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"],
+            "skipped": n["skipped"], "errors": n["errors"]}
+    if status == 124:  # timeout(1)'s status: pytest got SIGINT at the time box and wrote what had run
+        out["note"] = f"stopped at its time box after {seconds} s: the counts are of the tests that ran by then"
+    return out
 
 
 # -- stage 2: the bench ---------------------------------------------------------------------------------

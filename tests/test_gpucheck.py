@@ -138,6 +138,9 @@ def test_suite_counts_from_junit_xml(tmp_path):
                    'skipped="30" tests="100" time="9.5"></testsuite></testsuites>')
     s = gpu.suite_counts(xml, 9.5, 1, "pytest")
     assert (s["passed"], s["failed"], s["skipped"], s["errors"]) == (67, 2, 30, 1)
+    assert "note" not in s
+    boxed = gpu.suite_counts(xml, 240.0, 124, "pytest")  # timeout(1)'s status: stopped at the time box
+    assert boxed["passed"] == 67 and "the counts are of the tests that ran by then" in boxed["note"]
     gone = gpu.suite_counts(tmp_path / "none.xml", 240.0, 124, "pytest")
     assert gone["passed"] is None and "stopped (status 124)" in gone["note"]
     assert gpu.suite_counts(None)["note"] == "the unit suite was not run"
