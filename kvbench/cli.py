@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         from .gpu import main as gpu_main  # imported here: the CPU report never needs it
 
         return gpu_main(argv)
-    p = argparse.ArgumentParser(prog="python -m kvbench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvbench", description=__doc__.splitlines()[0],
+                                epilog="--device DEVICE runs the GPU check instead (`make gpucheck`'s bench): "
+                                       "python -m kvbench --device cuda --help")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--threads", type=_threads, default=2, help="torch.set_num_threads (default 2)")

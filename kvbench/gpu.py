@@ -332,7 +332,8 @@ def print_table(record: dict) -> None:
                       f"CUDA graph {_ms(d['graphs_step_s'])}")
         for a in sh["attention"]:
             if a["step_s"] is not None:
-                print(f"  attention S={a['context']}: {a['backend']}, {_ms(a['step_s'])}, {_gbs(a['bandwidth_bytes_s'])}")
+                print(f"  attention S={a['context']}: {a['backend']}, {_ms(a['step_s'])}, "
+                      f"{_gbs(a['bandwidth_bytes_s'])}")
         p, f, r = sh["paged"], sh["prefill"], sh["roofline"]
         if p["ratio"] is not None:
             print(f"  paged / contiguous at S={p['context']}, B={p['batch']}: {p['ratio']:.2f}x")
@@ -368,7 +369,8 @@ def errors(record: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvbench --device ...``: 0 when the record is written whole, 1 if a section failed
     (the record is written with its errors), `NO_CUDA` when asked for CUDA on a machine without it."""
-    p = argparse.ArgumentParser(prog="python -m kvbench --device DEVICE", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvbench", description="The one-shot GPU check's smoke test and "
+                                "bench (stages 0 and 2 of `make gpucheck`); see book/checks.md, \"The GPU check\".")
     p.add_argument("--device", required=True, help="cuda (or cuda:N); cpu with --quick")
     p.add_argument("--smoke", action="store_true", help="stage 0 only: the machine, and kvlib's decode on it")
     p.add_argument("--quick", action="store_true", help="toy shapes and contexts (seconds on a CPU)")
