@@ -41,13 +41,12 @@ from kvlib.config import PRESETS, ModelConfig
 from kvlib.generate import decode_step, generate, generate_naive, prefill
 from kvlib.model import Transformer
 from . import gpubench as gb
-from .gpurecord import FORMAT, check_gpu_record
+from .gpurecord import FORMAT, PART_KEYS, check_gpu_record
 from .report import json_ready
 
 NO_CUDA = 2  # exit status: the machine has no CUDA device
 HBM_TARGET = 0.6  # the target: decode at batch 1 on the 8B shape, of the HBM's copy bandwidth
 TARGET_SHAPE = "llama-3.1-8b"
-DECODE_KEYS = ("batch", "context", "step_s", "bytes_read", "bandwidth_bytes_s", "hbm_fraction", "graphs_step_s")
 
 
 # -- the machine ----------------------------------------------------------------------------------------
@@ -217,19 +216,17 @@ def bench_shape(config: ModelConfig, device: torch.device, hbm_bandwidth: float,
     for b in plan.batches:
         cache, tok = gb.filled_cache(model, b, plan.context)
         entry = attempt(f"decode at batch {b}", lambda: gb.decode(model, cache, tok, hbm_bandwidth, plan),
-                        DECODE_KEYS)
+                        PART_KEYS["decode"])
         decode.append(entry | {"batch": b, "context": plan.context})
         graphs.append((decode[-1], model, cache, tok))
     steps = ", ".join(f"batch {d['batch']} {_ms(d['step_s'])}" for d in decode)
     print(f"  decode: {steps}", flush=True)
     attn = [attempt(f"attention at {c}", lambda c=c: gb.attention(config, 1, c, device, plan),
-                    ("context", "batch", "backend", "step_s", "bytes_read", "bandwidth_bytes_s"))
-            for c in plan.attention_contexts]
-    paged = attempt("paged attention", lambda: gb.paged(config, device, plan),
-                    ("context", "batch", "block_size", "contiguous_step_s", "paged_step_s", "ratio"))
-    pre = attempt("prefill", lambda: gb.prefill(model, plan), ("tokens", "step_s", "flops", "flop_s"))
+                    PART_KEYS["attention"]) | {"context": c, "batch": 1} for c in plan.attention_contexts]
+    paged = attempt("paged attention", lambda: gb.paged(config, device, plan), PART_KEYS["paged"])
+    pre = attempt("prefill", lambda: gb.prefill(model, plan), PART_KEYS["prefill"])
     print("  attention, paged, prefill: done", flush=True)
-    roof_keys = ("predicted_step_s", "measured_step_s", "ratio", "band", "within", "hardware")
+    roof_keys = PART_KEYS["roofline"]
     roof = (attempt("roofline", lambda: gb.roofline(config, device, decode[0], plan), roof_keys)
             if decode[0]["step_s"] else dict.fromkeys(roof_keys) | {"error": "no decode step at batch 1 to predict"})
     print(f"  roofline: predicted {_ms(roof['predicted_step_s'])}, measured {_ms(roof['measured_step_s'])}",

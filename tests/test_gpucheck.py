@@ -230,3 +230,19 @@ def test_the_checks_page_states_the_targets_the_check_applies():
     assert f"**{gpu.HBM_TARGET:.0%} or more of the memory's copy bandwidth**" in page
     assert f"**{lo} to {hi} times the roofline's prediction**" in page
     assert "No GPU has run the check yet" in page or (ROOT / "kvbench" / "data" / "bench_gpu.json").exists()
+
+
+def test_a_section_that_fails_is_recorded_and_the_rest_measured(tmp_path, monkeypatch, capsys):
+    """On a new GPU or torch one section may raise: the record keeps its keys with an ``error``, every
+    other section is measured, the record is still written, and the exit status is 1."""
+    def oom(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(gpubench, "paged", oom)
+    out = tmp_path / "bench_gpu.json"
+    assert gpu.main(["--device", "cpu", "--quick", "--json", str(out)]) == 1
+    record = check_gpu_record(json.loads(out.read_text()))
+    assert gpu.errors(record) == [f"shapes.{n}.paged: RuntimeError: CUDA out of memory (a stand-in)"
+                                  for n in ("smollm2-135m", "llama-3.1-8b")]
+    assert all(s["prefill"]["flop_s"] > 0 and s["decode"][0]["step_s"] > 0 for s in record["shapes"].values())
+    assert "!!! paged attention failed: RuntimeError" in capsys.readouterr().err
