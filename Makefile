@@ -2,7 +2,7 @@
 # `make demo` (chat with SmolLM2 + the benchmark). Each installs what it needs first.
 PY ?= python
 
-.PHONY: setup ready vllm-ready kvpress-ready book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck floors floors-torch
+.PHONY: setup ready vllm-ready kvpress-ready book reader demo bench test nbval vllm crosscheck distcheck kvpress presscheck floors floors-torch gpucheck
 
 # The chapters use every core, and `make test` runs two notebooks at once: more OpenMP threads than cores. Spinning
 # threads then wait on each other (a 0.15 s forward took 1-2 s on a loaded 2-core machine); passive waits change no
@@ -82,6 +82,15 @@ floors:
 # kvlib starts calling a newer torch API.
 floors-torch:
 	./scripts/floors_torch.sh .venv-floors-torch
+
+# The one-shot GPU check (issue 47), for a machine with one NVIDIA GPU: scripts/gpucheck.sh runs a smoke test (60 s;
+# no CUDA device or a failure stops it there), the unit suite on CUDA (240 s) and `python -m kvbench --device cuda`
+# (kvbench.gpu: random weights at SmolLM2-135M's and Llama-3.1-8B's shapes, bf16; 240 s), and writes the record
+# kvbench/data/bench_gpu.json (format kv-bench-gpu/1). About 9 minutes at most. It installs nothing (no `ready`: the GPU
+# machine has no package registry) and runs with PYTHONPATH at this checkout; python3 unless PY is given. Not in CI,
+# nor in `make test`: CI has no GPU. book/checks.md, "The GPU check", says what it measures.
+gpucheck:
+	$(if $(filter command line environment,$(origin PY)),PY=$(PY)) ./scripts/gpucheck.sh
 
 # The book build executes every chapter, and a failing cell fails it (-W), so `make test` runs the test suite
 # without executing the chapters a second time. `make nbval` runs them under nbval; CI does that once more, as

@@ -25,6 +25,14 @@ idea:
 prompt; `kvbench.report` the table, the targets and the JSON; `kvbench.cli` the
 command line that runs the sections in order. The timing helpers are `kvlib.timing`'s.
 
+``python -m kvbench --device cuda`` runs the GPU check instead, stage 2 of ``make gpucheck``: random
+weights at SmolLM2-135M's and Llama-3.1-8B's shapes in bf16, decode against the HBM's copy bandwidth
+(eager and from a CUDA graph), attention at 4k and 32k tokens by SDPA backend, paged against
+contiguous, prefill FLOP/s and the roofline's prediction, written as ``kvbench/data/bench_gpu.json``.
+Its driver and smoke test are `kvbench.gpu`, its measurements `kvbench.gpubench`, its record's
+format `kvbench.gpurecord` (`load_gpu_record` is None until a GPU has run it); ``--device cpu
+--quick`` runs the same code at toy sizes in seconds.
+
 CPUs are noisy, so read ratios, not absolute numbers: wherever two things are compared
 they are timed taking turns, so that load from other processes hits both alike. The
 stored run the chapters quote is `kvbench.load_record`. ``import kvbench``

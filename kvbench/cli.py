@@ -1,6 +1,7 @@
 """Measure the book's performance claims on this machine, all in one run.
 
     python -m kvbench [--json PATH] [--quick] [--threads N] [--compile] [--chunked] [--invariant]
+    python -m kvbench --device cuda [--smoke] [--json PATH] ...   # the GPU check: `kvbench.gpu`
 
 `main` is the driver: it loads SmolLM2 once, runs the sections in order (each in its
 module, named in `kvbench`), prints the report (`kvbench.report`) and optionally
@@ -42,8 +43,19 @@ def _threads(s: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every section at `FULL` sizes (`QUICK` with ``--quick``) and report; 0 if all tokens agreed."""
-    p = argparse.ArgumentParser(prog="python -m kvbench", description=__doc__.splitlines()[0])
+    """Run every section at `FULL` sizes (`QUICK` with ``--quick``) and report; 0 if all tokens agreed.
+
+    With ``--device`` it runs the GPU check instead (`kvbench.gpu.main`: random weights at two
+    models' shapes, no SmolLM2 file, no Hugging Face), which takes its own arguments.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--device" or a.startswith("--device=") for a in argv):
+        from .gpu import main as gpu_main  # imported here: the CPU report never needs it
+
+        return gpu_main(argv)
+    p = argparse.ArgumentParser(prog="python -m kvbench", description=__doc__.splitlines()[0],
+                                epilog="--device DEVICE runs the GPU check instead (`make gpucheck`'s bench): "
+                                       "python -m kvbench --device cuda --help")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--threads", type=_threads, default=2, help="torch.set_num_threads (default 2)")

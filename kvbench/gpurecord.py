@@ -23,31 +23,61 @@ from pathlib import Path
 FORMAT = "kv-bench-gpu/1"
 RECORD = Path(__file__).parent / "data" / "bench_gpu.json"
 
-# What a reader of the record may rely on: top-level keys, and each shape's.
+# What a reader of the record may rely on: top-level keys, and each part's.
 TOP_KEYS = ("format", "machine", "suite", "hbm", "shapes", "targets", "seconds")
 MACHINE_KEYS = ("gpu", "capability", "memory_bytes", "driver", "cuda", "torch", "python", "date")
+SUITE_KEYS = ("passed", "failed", "skipped", "errors", "seconds", "command")  # counts None: the suite did not finish
+HBM_KEYS = ("copy_bytes", "bandwidth_bytes_s", "spec_bytes_s")
 SHAPE_KEYS = ("config", "dtype", "weight_bytes", "decode", "attention", "paged", "prefill", "roofline")
 SHAPES = ("smollm2-135m", "llama-3.1-8b")
+# Within a shape; a section that failed on the GPU keeps these keys (None) and adds an "error".
+PART_KEYS = {
+    "decode": ("batch", "context", "step_s", "bytes_read", "bandwidth_bytes_s", "hbm_fraction", "graphs_step_s"),
+    "attention": ("context", "batch", "backend", "step_s", "bytes_read", "bandwidth_bytes_s"),
+    "paged": ("context", "batch", "block_size", "contiguous_step_s", "paged_step_s", "ratio"),
+    "prefill": ("tokens", "step_s", "flops", "flop_s"),
+    "roofline": ("predicted_step_s", "measured_step_s", "ratio", "band", "within", "hardware"),
+}
+TARGETS = ("decode_b1_hbm_fraction", "roofline_within_band")  # the issue's two, in this order
+TARGET_KEYS = ("name", "shape", "value", "met", "reason")
+
+
+def _lacks(where: str, obj: object, keys: tuple[str, ...]) -> None:
+    missing = list(keys) if not isinstance(obj, dict) else [k for k in keys if k not in obj]
+    if missing:
+        raise ValueError(f"GPU record: {where} lacks {missing}; rerun `make gpucheck`")
 
 
 def check_gpu_record(record: dict) -> dict:
-    """``record`` itself if it holds every key the book reads, else a ValueError naming the first one missing."""
+    """``record`` itself if it holds every key the book reads, else a ValueError naming the first one missing.
+
+    Also refused: decode at batches other than [1, 32], targets other than `TARGETS`, and a
+    target not met without the measured reason (a sentence in ``reason``).
+    """
     if not isinstance(record, dict):
         raise TypeError(f"a GPU record is a dict (JSON object), got {type(record).__name__}")
     if record.get("format") != FORMAT:
         raise ValueError(f"not a GPU record: format {record.get('format')!r}, expected {FORMAT!r}")
-    for where, obj, keys in (("the record", record, TOP_KEYS), ("machine", record.get("machine"), MACHINE_KEYS)):
-        missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
-        if missing:
-            raise ValueError(f"GPU record: {where} lacks {missing}; rerun `make gpucheck`")
+    for where, keys in (("the record", TOP_KEYS), ("machine", MACHINE_KEYS), ("suite", SUITE_KEYS),
+                        ("hbm", HBM_KEYS)):
+        _lacks(where, record if where == "the record" else record.get(where), keys)
     for name in SHAPES:
         shape = record["shapes"].get(name)
-        missing = list(SHAPE_KEYS) if not isinstance(shape, dict) else [k for k in SHAPE_KEYS if k not in shape]
-        if missing:
-            raise ValueError(f"GPU record: shape {name!r} lacks {missing}; rerun `make gpucheck`")
+        _lacks(f"shape {name!r}", shape, SHAPE_KEYS)
+        for part, keys in PART_KEYS.items():
+            for i, entry in enumerate(shape[part] if part in ("decode", "attention") else [shape[part]]):
+                _lacks(f"shape {name!r} {part}" + (f"[{i}]" if part in ("decode", "attention") else ""), entry, keys)
         batches = sorted(d.get("batch") for d in shape["decode"])
         if batches != [1, 32]:
             raise ValueError(f"GPU record: shape {name!r} has decode at batches {batches}, expected [1, 32]")
+    names = [t.get("name") if isinstance(t, dict) else None for t in record["targets"]]
+    if names != list(TARGETS):
+        raise ValueError(f"GPU record: targets {names}, expected {list(TARGETS)}; rerun `make gpucheck`")
+    for t in record["targets"]:
+        _lacks(f"target {t['name']!r}", t, TARGET_KEYS)
+        if not t["met"] and not (isinstance(t["reason"], str) and t["reason"].strip()):
+            raise ValueError(f"GPU record: target {t['name']!r} is not met and gives no reason; the check "
+                             f"writes the measured one")
     return record
 
 
