@@ -1,4 +1,4 @@
-"""Chapter 11.3 (book/ch11c_gpu.ipynb) with and without a GPU record.
+"""Page 11B, Decode on a GPU (book/ch11c_gpu.ipynb), with and without a GPU record.
 
 At this build no GPU has run `make gpucheck`, so `kvbench.load_gpu_record()` is None and the page
 shows its predictions alone. The page's record cell must also work once a record exists: here it
