@@ -15,7 +15,8 @@
 
 These pull in matplotlib or ipywidgets, so ``import kvlib`` never imports them; import
 each on its own (``import kvbook.plot``). This package itself holds `setup`, the one
-line every chapter starts with, `glue`, which hands a cell's numbers to the website's
+line every chapter starts with, `device`, where the cells that move a model put it (the
+GPU when the runtime has one), `glue`, which hands a cell's numbers to the website's
 prose, and `table`, which prints them; it imports neither.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from .tables import table
 
-__all__ = ["glue", "setup", "table"]
+__all__ = ["device", "glue", "setup", "table"]
 
 
 def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) -> None:
@@ -47,9 +48,10 @@ def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) 
     In IPython (Jupyter, Colab, the book's build) it also registers the ``%%requires``
     cell magic of `kvbook.requires`, and draws figures as 2x PNGs ("retina"): shown at
     their size, sharp on a high-resolution screen, in the notebook and on the website. On
-    a runtime with a CUDA GPU (Colab's T4, say) it prints one line saying that the chapter
-    still runs on the CPU, and how to move kvlib to the GPU: the chapters measure the CPU
-    they run on, and their roofline and AMX cells are about that CPU.
+    a runtime with a CUDA GPU (Colab's T4, say) it prints one line naming what runs where:
+    the cells that put a model on `device()` run on that GPU, and the cells about the CPU
+    (its roofline, its threads, AMX and oneDNN) still run on the CPU. On a CPU runtime it
+    prints nothing.
     """
     import torch
 
@@ -71,9 +73,22 @@ def setup(threads: int | None = None, grad: bool = False, seed: int | None = 0) 
     register_magic()
     _sharp_figures()
     if torch.cuda.is_available():
-        print(f"This runtime has a GPU ({torch.cuda.get_device_name(0)}); the chapter runs on the CPU, "
-              "whose numbers it measures. kvlib runs on the GPU as well: "
-              "kvlib.load_smollm2(device='cuda') puts the model there.")
+        print(f"GPU: {torch.cuda.get_device_name(0)}. The cells that put the model on kvbook.device() "
+              "run there (cuda); the cells about the CPU (its roofline, threads, AMX) run on the CPU.")
+
+
+def device() -> torch.device:
+    """Where a chapter's compute cells put the model and its inputs: ``cuda`` on a runtime
+    with a CUDA GPU (Colab's T4, say), else ``cpu``.
+
+    ``model, tok = kvlib.load_smollm2(device=kvbook.device())``, and every tensor the model
+    meets goes there too (``torch.tensor(ids, device=model.device)``). A cell about the CPU
+    itself (its roofline, its threads, AMX) keeps ``"cpu"`` and says so. Asked afresh on
+    each call, so it follows ``torch.cuda.is_available()``.
+    """
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def glue(**numbers: float) -> None:

@@ -93,14 +93,27 @@ def test_setup_leaves_the_readers_cores_alone_by_default(torch_state):
 
 
 def test_setup_says_where_the_chapter_runs_on_a_gpu_runtime(torch_state, monkeypatch, capsys):
+    """On Colab's T4 the line names the GPU, says the model's cells run there through
+    kvbook.device(), and that the cells about the CPU stay on it; one line, nothing on a CPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Tesla T4")
     kvbook.setup()
     out = capsys.readouterr().out
-    assert "Tesla T4" in out and "runs on the CPU" in out
+    assert out.count("\n") == 1 and "Tesla T4" in out
+    assert "kvbook.device()" in out and "(cuda)" in out  # the model's cells: on the GPU
+    assert "run on the CPU" in out and "roofline" in out  # the CPU's own cells: not moved
+    assert "the chapter runs on the CPU" not in out  # the old line, wrong on a GPU runtime
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     kvbook.setup()
     assert capsys.readouterr().out == ""  # a CPU runtime: nothing printed
+
+
+def test_device_is_the_gpu_when_the_runtime_has_one_and_asks_afresh(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kvbook.device() == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kvbook.device() == torch.device("cpu")  # not cached from the call before
+    assert isinstance(kvbook.device(), torch.device)
 
 
 @pytest.mark.parametrize("kwargs, error", [({"threads": 0}, ValueError), ({"threads": 1.0}, TypeError),
