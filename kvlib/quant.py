@@ -25,8 +25,10 @@ Host round-trips
 None in a decode step. Two checks read values: that the input is finite, and whether a
 tensor's scales fit fp16 (else they stay fp32). On the CPU they read host memory and run as
 they always have. On an accelerator reading them would stall the device at every flush, so
-`quantize` skips them there: scales are stored in fp16, and an input that holds inf or NaN,
-or a spread past fp16's ±65,504, gives inf or NaN where the CPU would raise or fall back to fp32.
+there `quantize` queues them as device-side assertions (``torch._assert_async``): no wait,
+and an input that holds inf or NaN, or a spread past fp16's ±65,504 (scales stay fp16 there),
+stops the program at the device's next synchronization with CUDA's "device-side assert
+triggered" instead of a ValueError. It never gives a wrong cache silently.
 
 `FP8Cache` stores 8-bit floats instead (e4m3, vLLM's ``kv_cache_dtype="fp8"``),
 with one fp32 scale per layer or per KV head. (`kvlib.hf.HFQuantizedCache` runs
@@ -137,7 +139,8 @@ def quantize(
 
     Scales and minimums are computed in fp32 and stored in fp16, rounded outward, unless one of
     them is past fp16's ±65,504: then the tensor's stay fp32 (4 bytes each in ``nbytes``). That
-    check, and the one for inf or NaN, read values: they run on CPU tensors only (module docstring).
+    check, and the one for inf or NaN, read values on the CPU; on an accelerator they are
+    device-side assertions, and scales stay fp16 (module docstring, "Host round-trips").
     """
     _check_bits(bits)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -147,6 +150,8 @@ def quantize(
     host = _on_host(x)  # the checks below read values: on the host only (see "Host round-trips")
     if host and not _finite(x):
         raise ValueError(f"quantize needs finite numbers; x {tuple(x.shape)} holds inf or NaN")
+    if not host:  # checked on the device, without waiting for it
+        torch._assert_async(x.isfinite().all(), "quantize needs finite numbers; x holds inf or NaN")
     dim = dim % x.dim()
     n = x.shape[dim]
     g = n if group_size is None else group_size
@@ -162,6 +167,10 @@ def quantize(
     half = _fp16_at_least((top if symmetric else top - low.float()) / qmax)
     scale, minimum = (half, low) if not host or _finite(low, half) else (  # past fp16's ±65,504: fp32
         (top if symmetric else top - lo) / qmax, lo)
+    if not host:
+        torch._assert_async(scale.isfinite().all() if minimum is None else
+                            (scale.isfinite().all() & minimum.isfinite().all()),
+                            "quantize: a group's spread is past fp16's ±65,504 on this device")
     if host and not _finite(scale):  # only a spread past fp32's own 3.4e38
         raise ValueError(f"quantize: a group's spread overflows fp32 (max |x| {float(xg.abs().max()):.3g})")
     s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))[..., None]

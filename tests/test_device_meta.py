@@ -350,6 +350,20 @@ def test_quantize_on_an_accelerator_keeps_fp16_scales_without_reading():
     assert q.scale.dtype == torch.float16 and q.scale.device == META and q.codes.device == META
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantize_on_an_accelerator_still_refuses_bad_input_on_the_device(monkeypatch, symmetric):
+    """Its two value checks are queued on the device (torch._assert_async), never skipped: an inf
+    input or scales past fp16 stop the program at the device's next sync instead of a silent NaN."""
+    queued = []
+    monkeypatch.setattr(torch, "_assert_async", lambda cond, msg="": queued.append((cond.device, msg)))
+    kvlib.quant.quantize(torch.zeros(1, 2, 8, 4, device=META), 4, dim=-2, symmetric=symmetric)
+    assert [d for d, _ in queued] == [META, META]
+    assert "finite" in queued[0][1] and "65,504" in queued[1][1]
+    queued.clear()
+    kvlib.quant.quantize(torch.zeros(1, 2, 8, 4), 4, dim=-2, symmetric=symmetric)  # the CPU reads and raises
+    assert queued == []
+
+
 # -- the attention kernels and weight formats a model can run with ------------------------------------
 KERNELS = {
     "reference": lambda m: m.set_attention_impl("reference"),
