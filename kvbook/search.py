@@ -57,6 +57,8 @@ CONCEPTS: dict[str, tuple[str, ...]] = {
                               "flash decoding", "split-KV"),
     "book/ch11b_weight_formats": ("weight quantization", "int8 weights", "int4 weights", "bf16 weights",
                                   "llama.cpp"),
+    "book/ch11c_gpu": ("GPU", "CUDA", "CUDA graphs", "HBM bandwidth", "SDPA backends",
+                       "FlashAttention backend"),
     "book/ch12_serving": ("speculative decoding", "draft model", "prompt lookup"),
     "book/ch12b_prefix_reuse": ("prefix caching", "prefix reuse", "RadixAttention", "radix tree",
                                 "multi-turn chat"),
