@@ -178,6 +178,8 @@ def test_only_a_query_that_sees_nothing_is_let_see_itself():
 from kvlib import decode_attention  # noqa: E402
 from kvlib.attention import attend  # noqa: E402
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 DECODE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6),  # fp32, another summation order
               torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}  # bf16: 8 significant bits
 

@@ -23,6 +23,8 @@ from kvlib.paged import PagedCache
 from kvlib.quant import CastCache, FP8Cache, QuantizedCache
 from kvlib.speculative import PromptLookupDraft, speculative_generate
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 @pytest.fixture(scope="module")
 def tiny():

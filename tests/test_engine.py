@@ -14,6 +14,8 @@ from kvlib.paged import OutOfBlocks
 from kvlib.engine import Engine, EngineStats, Request, Scheduler, SeqState, Sequence
 from kvlib.paged import PagedCache
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):

@@ -19,6 +19,8 @@ from kvlib import DynamicCache, ModelConfig, Transformer
 from kvlib.check import check_cache
 from kvlib.evict import H2OCache, SinkCache, WindowCache, h2o_keep
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 CFG = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=256)
 CHUNKS = [4, 1, 1, 3, 1, 1, 1, 4, 1, 1, 1, 1]  # a prompt, decode steps and chunks: 20 tokens
 

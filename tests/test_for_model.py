@@ -16,6 +16,8 @@ from kvlib import evict, fp8, hybrid, mla, packed, press, quant
 from kvlib.layers import full, window
 from kvlib.paged import PagedCache
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 CFG = kvlib.PRESETS["tiny"].replace(rope_base=500000.0)  # not the default 10000: for_model must read it
 L = CFG.n_layer
 TOKENS = torch.arange(3, 27)[None]  # 24 tokens: past every window and budget below

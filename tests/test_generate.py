@@ -5,6 +5,8 @@ import kvlib
 from kvlib import DynamicCache, ModelConfig, StaticCache, Transformer
 from kvlib.sampling import sample
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 @pytest.fixture(scope="module")
 def model():

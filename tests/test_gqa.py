@@ -12,6 +12,8 @@ from kvlib import ModelConfig, Transformer
 from kvlib.gqa import convert_kv_heads
 from kvlib.mla import DEEPSEEK_V2, LatentCache, MLAAttention, MLAConfig, cost_per_cached_token
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 

@@ -18,6 +18,8 @@ from kvlib import DynamicCache, ModelConfig, Transformer
 from kvlib import layers as L
 from kvlib.hybrid import HybridCache, Recompute
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 TOL = dict(atol=2e-5, rtol=2e-5)  # fp32: another kernel (masked SDPA vs fused) on other shapes
 
 

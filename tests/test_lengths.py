@@ -22,6 +22,8 @@ from kvlib.press import PressCache, SnapKVPress
 from kvlib.quant import CastCache, FP8Cache, QuantizedCache
 from kvlib.speculative import PromptLookupDraft, speculative_generate
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 @pytest.fixture
 def tiny():

@@ -158,6 +158,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvlib import layers as L  # noqa: E402
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 def brute_cache_bytes(cfg, seq_len, batch, width):
     """Decode token by token, each layer keeping a list of positions and dropping every position its

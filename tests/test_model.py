@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib import DynamicCache, ModelConfig, StaticCache, Transformer
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 # Cached and uncached paths differ only in summation order (one prefill GEMM vs many
 # matrix-vector products), so fp32 logits agree to ~1e-6 relative; we allow 1e-4.
 TOL = dict(rtol=1e-4, atol=1e-4)

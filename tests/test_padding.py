@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib.padding import last_index, pad, position_ids
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 rows_strategy = st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=7), min_size=1, max_size=4)
 
 

@@ -16,6 +16,8 @@ from kvlib.paged import BlockAllocator, OutOfBlocks
 from kvlib.engine import Engine
 from kvlib.paged import PagedCache, gather, paged_attention_loop, slot_mapping
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 # -- helpers ------------------------------------------------------------------------------------------
 def paged_attention(  # the reference for paged reads: no chapter teaches with it, so it lives here

@@ -14,6 +14,8 @@ from kvlib.quant import (
     quantize_fp8, unpack_codes,
 )
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 def scale_bound(q, x, dim, group_size):
     """Broadcast each group's scale / 2 back onto the elements of ``x`` it covers."""

@@ -7,6 +7,8 @@ import kvlib
 from kvlib import SamplingParams
 from kvlib.sampling import probabilities, sampling_params
 
+pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
