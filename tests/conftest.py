@@ -61,6 +61,7 @@ def requested_device(name: str) -> torch.device:
             raise pytest.UsageError(f"--device {name}: this torch ({torch.__version__}) sees {count} CUDA "
                                     f"device(s), so nothing would run there; run on a machine with a GPU, or "
                                     f"drop --device to test on the CPU")
+        device = torch.device("cuda", device.index or 0)  # concrete (cuda:0), as a tensor's .device reads
     elif device.type != "cpu":
         raise pytest.UsageError(f"--device {name}: the suite runs on cpu or cuda, got {device.type}")
     return device
