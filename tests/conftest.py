@@ -205,11 +205,12 @@ def hf_smollm2():
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    """A 2-layer GQA model with sharp random logits (no argmax ties), vocabulary 50."""
+def tiny_model(device):
+    """A 2-layer GQA model on the test device, with sharp random logits (no argmax ties: greedy tokens
+    agree across devices and kernels), vocabulary 50."""
     from kvlib import ModelConfig, Transformer
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=128)
-    m = Transformer(cfg)
+    m = Transformer(cfg, device=device)
     m.reset_parameters(seed=0, std=0.2)
     return m.eval()
