@@ -183,7 +183,7 @@ def test_prompt_of_wrong_type(model, device):
 
 def test_too_small_cache(model, device):
     with pytest.raises(IndexError, match="StaticCache overflow"):
-        kvlib.generate(model, [1, 2], 5, cache=StaticCache.for_model(model.config, 1, 4, device=device))
+        kvlib.generate(model, [1, 2], 5, cache=StaticCache.for_model(model, 1, 4, device=device))
 
 
 def test_naive_takes_no_cache(model):
@@ -194,7 +194,7 @@ def test_naive_takes_no_cache(model):
 def test_prefill_and_decode_build_no_autograd_graph(model, device):
     """A hand-written loop without no_grad must not chain a graph through the cache."""
     assert any(p.requires_grad for p in model.parameters())
-    cache = StaticCache.for_model(model.config, 1, 8, device=device)
+    cache = StaticCache.for_model(model, 1, 8, device=device)
     logits = kvlib.prefill(model, torch.tensor([[1, 2, 3]], device=device), cache)
     logits = kvlib.decode_step(model, logits.argmax(-1), cache)
     assert not logits.requires_grad and cache.keys[0].grad_fn is None

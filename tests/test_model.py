@@ -64,7 +64,7 @@ def test_cached_greedy_tokens_equal_naive(c, batch, prompt, n, device):
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(c["seed"])).to(device)
     naive = kvlib.generate_naive(model, ids, n)
     assert naive.shape == (batch, prompt + n)
-    for cache in (None, DynamicCache(model.config.n_layer), StaticCache.for_model(model.config, batch, prompt + n, device=device)):
+    for cache in (None, DynamicCache(model.config.n_layer), StaticCache.for_model(model, batch, prompt + n, device=device)):
         assert torch.equal(kvlib.generate(model, ids, n, cache=cache), naive)
 
 
@@ -86,7 +86,7 @@ def test_reference_attention_path_equals_sdpa_path(device):
         fast = model(tokens)
         model.set_attention_impl("reference")
         slow = model(tokens)
-        cache = StaticCache.for_model(model.config, 2, 9, device=device)
+        cache = StaticCache.for_model(model, 2, 9, device=device)
         slow_cached = torch.cat([model(tokens[:, :5], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(5, 9)], 1)
     torch.testing.assert_close(slow, fast, **TOL)
     torch.testing.assert_close(slow_cached, fast, **TOL)
@@ -250,7 +250,7 @@ def test_a_function_as_attention_impl_gets_the_full_mask(device):
     with torch.inference_mode():
         fast = model(tokens)
         model.set_attention_impl(mine)
-        cache = StaticCache.for_model(model.config, 2, 9, device=device)
+        cache = StaticCache.for_model(model, 2, 9, device=device)
         mine_cached = torch.cat([model(tokens[:, :5], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(5, 9)], 1)
     torch.testing.assert_close(mine_cached, fast, **TOL)
     assert seen[0] == (5, 5, (1, 1, 5, 5)) and seen[-1] == (1, 9, (1, 1, 1, 9))

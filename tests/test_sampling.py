@@ -66,7 +66,7 @@ def test_the_engine_takes_the_same_params(model, device):
     prompt = [5, 6, 7, 8]
     p = SamplingParams(max_new_tokens=5, temperature=1.0, seed=11)
     want = kvlib.generate(model, prompt, sampling=p)[0, 4:].tolist()
-    eng = kvlib.Engine(model, kvlib.PagedCache.for_model(model.config, num_blocks=16, block_size=4, device=device))
+    eng = kvlib.Engine(model, kvlib.PagedCache.for_model(model, num_blocks=16, block_size=4, device=device))
     eng.add(prompt, sampling=p)
     assert eng.run()[0] == [want]  # the same seeded draws, through the paged engine
 
