@@ -223,3 +223,17 @@ def test_on_the_cpu_every_test_runs_the_cpu_only_ones_too(tmp_path):
     rc, out, imported = run_tree(tmp_path, TREE)
     assert rc == 0 and imported and "4 passed" in out, out[-3000:]
     assert "skipped" not in out and "not collected" not in out, out[-3000:]
+
+
+def test_without_nbval_the_suite_still_starts(tmp_path):
+    """pyproject's addopts carry nbval's options; the GPU machine has no nbval. The conftest accepts
+    them there, so ``pytest --device cuda tests`` needs no ``-o addopts=``. Emulated with ``-p no:nbval``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).parent.parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "-p", "no:nbval", "tests/test_padding.py"],
+                         capture_output=True, text=True, cwd=repo, timeout=300)
+    assert run.returncode == 0 and "unrecognized arguments" not in run.stderr, run.stdout[-2000:] + run.stderr[-2000:]
