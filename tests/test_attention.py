@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 from devices import tol
 from kvlib import attention, attention_mask, causal_mask, repeat_kv, softmax
 
+pytestmark = pytest.mark.device
+
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, different summation orders
 
 
@@ -178,8 +180,6 @@ def test_only_a_query_that_sees_nothing_is_let_see_itself(device):
 # -- decode_attention: a KV head read once for all the query heads it serves ----------------------
 from kvlib import decode_attention  # noqa: E402
 from kvlib.attention import attend  # noqa: E402
-
-pytestmark = pytest.mark.device
 
 DECODE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6),  # fp32, another summation order
               torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}  # bf16: 8 significant bits

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib.chat import ChatSession, Turn
 
-pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
 
 
 @pytest.fixture(scope="module")

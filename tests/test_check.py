@@ -6,7 +6,7 @@ import torch
 from kvlib import DynamicCache, StaticCache
 from kvlib.check import PROPERTIES, CacheCheckError, check_cache
 
-pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
 
 GOOD = {
     "dynamic": lambda n_layer, b, h, d, dtype: DynamicCache(n_layer),

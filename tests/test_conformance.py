@@ -27,7 +27,7 @@ from kvlib.mla import LatentCache
 from kvlib.press import PressCache, SnapKVPress
 from kvlib.quant import CastCache, FP8Cache, QuantizedCache
 
-pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
 
 LOSSY = "it returns dequantized keys and values, not the exact ones stored"
 EVICTS = "it evicts beyond its budget, so it does not return everything so far"

@@ -3,7 +3,7 @@ import torch
 
 from kvlib import PRESETS, ModelConfig, Transformer, cost, memory
 
-pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
 
 
 def test_decode_bytes_are_all_weights_plus_the_cache():

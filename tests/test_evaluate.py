@@ -10,7 +10,7 @@ from kvlib import ModelConfig, Transformer
 from kvlib.data import tiny_shakespeare
 from kvlib.evaluate import agreement, score
 
-pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
 
 
 def test_tiny_shakespeare_splits():

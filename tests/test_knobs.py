@@ -18,7 +18,7 @@ pytest.importorskip("ipywidgets")
 
 from kvbook.knobs import masks, quant, speculative, step  # noqa: E402
 
-pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook's tooling): no kvlib tensors on a device")
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
 
 
 def evicting_kept(kind: L.LayerKind, n: int) -> list[int]:

@@ -4,6 +4,8 @@ import torch
 import kvlib
 from kvlib import PRESETS, StaticCache, Transformer, memory
 
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
+
 GiB = 2**30
 
 
@@ -157,8 +159,6 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvlib import layers as L  # noqa: E402
-
-pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
 
 
 def brute_cache_bytes(cfg, seq_len, batch, width):

@@ -18,7 +18,7 @@ import pytest
 
 from test_book import without_magics
 
-pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook's tooling): no kvlib tensors on a device")
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "book").glob("*.ipynb"))

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 import kvbook  # noqa: E402
 from kvbook.plot import plain_ticks, subplots  # noqa: E402
 
-pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook's tooling): no kvlib tensors on a device")
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import yaml
 
 from kvbook.reader import bib_citations, edition, myst_left, site_url
 
-pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook's tooling): no kvlib tensors on a device")
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "book").glob("ch*.ipynb"))

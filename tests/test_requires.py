@@ -4,7 +4,7 @@ import pytest
 
 from kvbook.requires import missing, requires
 
-pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook's tooling): no kvlib tensors on a device")
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
 
 
 def test_a_met_requirement_is_not_missing():

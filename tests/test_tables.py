@@ -7,7 +7,7 @@ import torch
 import kvbook
 from kvbook.tables import render
 
-pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook's tooling): no kvlib tensors on a device")
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
 
 
 def test_columns_take_the_widest_cell_numbers_right_text_left():

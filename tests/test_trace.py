@@ -17,7 +17,7 @@ import kvlib
 from kvlib.paged import PoolTrace
 from kvlib.paged.replay import KINDS, replay
 
-pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
 
 
 def tiny():

@@ -14,7 +14,7 @@ from kvlib.wquant import (
     quantize_weights, stored_bytes,
 )
 
-pytestmark = pytest.mark.cpu_only("kvlib on tiny CPU models, not yet converted to the `device` fixture (issue 47 follow-up)")
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
 
 
 def weight(K: int, N: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
