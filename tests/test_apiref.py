@@ -10,6 +10,8 @@ import pytest
 
 from kvbook.apiref import GROUPS, all_modules, pages
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / "book" / "api"
 SITE = ROOT / "_build" / "html"

@@ -9,6 +9,8 @@ import torch
 import kvbench
 from kvlib import prepack
 
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 def test_load_average_is_none_where_the_os_has_none(monkeypatch):
     monkeypatch.delattr(os, "getloadavg", raising=False)  # Windows has no os.getloadavg

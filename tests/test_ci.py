@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cpu_only("about the repository (layout, versions, CI, docstrings), not kvlib on a device")
+
 ROOT = Path(__file__).resolve().parents[1]
 CI = ROOT / ".ci"
 

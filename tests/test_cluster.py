@@ -15,6 +15,8 @@ from kvlib.distributed import cluster
 from kvlib.hardware import HARDWARE
 from kvlib.layers import latent
 
+pytestmark = pytest.mark.cpu_only("pure Python: formulas, tables and simulations with no tensors on a device")
+
 LLAMA70, DSV3, MISTRAL, TINY = (PRESETS[n] for n in ("llama-3-70b", "deepseek-v3", "mistral-7b",
                                                       "tiny"))
 

@@ -2,6 +2,8 @@ import pytest
 
 from kvlib import PRESETS, ModelConfig
 
+pytestmark = pytest.mark.cpu_only("needs SmolLM2's weights (the GGUF), which the GPU machine lacks")
+
 
 def test_head_dim_defaults_to_width_over_heads():
     cfg = ModelConfig(n_layer=1, n_head=8, n_kv_head=2, d_model=256, d_ff=512, vocab_size=100, max_seq_len=64)

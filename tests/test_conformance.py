@@ -27,6 +27,8 @@ from kvlib.mla import LatentCache
 from kvlib.press import PressCache, SnapKVPress
 from kvlib.quant import CastCache, FP8Cache, QuantizedCache
 
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
+
 LOSSY = "it returns dequantized keys and values, not the exact ones stored"
 EVICTS = "it evicts beyond its budget, so it does not return everything so far"
 NO_CROP = "it cannot be cropped"

@@ -3,6 +3,8 @@ import torch
 
 from kvlib import PRESETS, ModelConfig, Transformer, cost, memory
 
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 def test_decode_bytes_are_all_weights_plus_the_cache():
     c = PRESETS["tiny"].replace(tie_embeddings=True)

@@ -13,6 +13,8 @@ from kvlib.config import PRESETS
 from vllmcheck import capacity_line, compare, load_record, vllm_python
 from kvlib.memory import pool_capacity
 
+pytestmark = pytest.mark.cpu_only("runs vLLM/kvpress records (vllmcheck, kvpresscheck)")
+
 SMOLLM2 = PRESETS["smollm2-135m"]
 CHECKS = {  # every comparison issue 27 asks for, by the name the record gives it
     "mixed: capacity", "small: capacity", "tokens", "prefix caching: cached tokens per request",

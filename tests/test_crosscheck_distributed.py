@@ -26,6 +26,8 @@ from vllmcheck.distributed import (
 )
 from kvlib.memory import kv_bytes_per_token, pool_capacity
 
+pytestmark = pytest.mark.cpu_only("runs vLLM/kvpress records (vllmcheck, kvpresscheck)")
+
 SMOLLM2 = PRESETS["smollm2-135m"]
 OUTCOMES = {"ran", "refused", "failed serving", "timed out", "crashed"}
 

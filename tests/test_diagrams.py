@@ -17,6 +17,8 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 from kvbook import diagrams  # noqa: E402
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 
 def cells(fig: Figure, gid: str, ax: int | None = None) -> int:
     axes = fig.axes if ax is None else [fig.axes[ax]]

@@ -16,6 +16,8 @@ import kvlib
 from kvlib.distributed import disagg, tp
 from kvlib.distributed.launch import Launch, launch
 
+pytestmark = pytest.mark.cpu_only("torch.distributed over gloo processes on the CPU")
+
 TINY = kvlib.ModelConfig(n_layer=2, n_head=8, n_kv_head=2, d_model=64, d_ff=128, vocab_size=128,
                          max_seq_len=64, name="tiny")
 

@@ -24,6 +24,8 @@ import torch
 
 import kvlib
 
+pytestmark = pytest.mark.cpu_only("about the repository (layout, versions, CI, docstrings), not kvlib on a device")
+
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 # The public names a learner calls directly, by the path a chapter uses: each carries an example.

@@ -14,6 +14,8 @@ from kvlib.paged import OutOfBlocks
 from kvlib.engine import Engine, EngineStats, Request, Scheduler, SeqState, Sequence
 from kvlib.paged import PagedCache
 
+pytestmark = pytest.mark.device
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
@@ -71,9 +73,9 @@ def test_the_scheduler_admits_first_come_first_served_and_never_touches_a_tensor
     assert s.admit() is None  # something runs: wait for it to finish
 
 
-def test_states_move_waiting_running_preempted_finished(tiny):
+def test_states_move_waiting_running_preempted_finished(tiny, device):
     """A pool so tight that the second sequence is preempted, then recomputed."""
-    cache = PagedCache.for_model(tiny.config, num_blocks=5, block_size=2)
+    cache = PagedCache.for_model(tiny, num_blocks=5, block_size=2)
     eng = Engine(tiny, cache)
     eng.add([1, 2, 3], 4)
     eng.add([4, 5, 6], 4)
@@ -89,19 +91,19 @@ def test_states_move_waiting_running_preempted_finished(tiny):
     assert SeqState.PREEMPTED in seen and first.finished and second.finished
     assert eng.stats.preemptions > 0 and isinstance(eng.stats, EngineStats)
     for i, p in enumerate(([1, 2, 3], [4, 5, 6])):  # preemption changed no token
-        want = kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=4)[0, 3:].tolist()
+        want = kvlib.generate(tiny, torch.tensor([p], device=device), max_new_tokens=4)[0, 3:].tolist()
         assert eng.requests[i].outputs == [want]
     assert cache.allocator.num_used == 0
 
 
-def test_a_failure_after_the_forward_drops_the_step_and_the_engine_goes_on(tiny, monkeypatch):
+def test_a_failure_after_the_forward_drops_the_step_and_the_engine_goes_on(tiny, monkeypatch, device):
     """Sampling raises once, mid-decode, after the model ran: nothing is committed or emitted,
     and the retried steps give exactly generate's tokens."""
     import kvlib.engine as engine_module
 
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
-    want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=6)[0, len(p):].tolist() for p in prompts]
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    want = [kvlib.generate(tiny, torch.tensor([p], device=device), max_new_tokens=6)[0, len(p):].tolist() for p in prompts]
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     eng = Engine(tiny, cache)
     for p in prompts:
         eng.add(p, 6)
@@ -137,7 +139,7 @@ def test_the_engine_reads_the_device_once_per_step(tiny, monkeypatch):
         reads.append(tuple(self.shape))
         return real(self)
 
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     eng = Engine(tiny, cache)
     for p in ([1, 2, 3], [4, 5], [6]):
         eng.add(p, 3)
@@ -179,15 +181,15 @@ def _run_with_arrivals(model, cache, prompts, arrive, max_new, n=1, **engine_kwa
     prefix=st.booleans(),
     n=st.sampled_from([1, 2]),
 )
-def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny, budget, block_size, lengths, arrive, prefix, n):
+def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny, budget, block_size, lengths, arrive, prefix, n, device):
     """Any token budget, block size, arrival order, prefix caching and 1 or 2 samples (forked
     after the last chunk): the same greedy tokens as each prompt through `kvlib.generate`
     alone, every block returned at the end, and every prompt token run or found once."""
     rng = random.Random(sum(lengths) + budget)
     shared = [rng.randrange(50) for _ in range(8)]  # a common start, so prefix caching has hits
     prompts = [(shared + [rng.randrange(50) for _ in range(n)])[:n] for n in lengths]
-    want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=5)[0, len(p):].tolist() for p in prompts]
-    cache = PagedCache.for_model(tiny.config, num_blocks=200 // block_size + 8, block_size=block_size,
+    want = [kvlib.generate(tiny, torch.tensor([p], device=device), max_new_tokens=5)[0, len(p):].tolist() for p in prompts]
+    cache = PagedCache.for_model(tiny, num_blocks=200 // block_size + 8, block_size=block_size,
                                  prefix_caching=prefix)
     got, eng = _run_with_arrivals(tiny, cache, prompts, arrive[: len(prompts)], 5, n=n, token_budget=budget)
     assert got == ([[w] * n for w in want] if n > 1 else want)
@@ -197,14 +199,14 @@ def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny, budget, blo
         assert eng.stats.prefill_tokens + eng.stats.cached_tokens == sum(lengths)
 
 
-def test_chunked_prefill_keeps_the_running_sequences_decoding(tiny):
+def test_chunked_prefill_keeps_the_running_sequences_decoding(tiny, device):
     """A 60-token prompt arrives while two sequences run. Whole, it is one step and the two
     wait for it; with a budget of 12 tokens a step, each step runs the two decode tokens and 10
     prompt tokens in ONE forward, so the prompt takes ceil(60 / 10) = 6 steps and the two emit
     at each."""
     short, long = [[1, 2, 3], [4, 5]], [(7 * i) % 50 for i in range(60)]
     for budget, chunks in ((None, 1), (12, 6)):
-        cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
+        cache = PagedCache.for_model(tiny, num_blocks=64, block_size=4)
         eng = Engine(tiny, cache, token_budget=budget)
         for p in short:
             eng.add(p, 20)
@@ -222,15 +224,15 @@ def test_chunked_prefill_keeps_the_running_sequences_decoding(tiny):
         assert eng.stats.forwards == eng.stats.steps == 2 + chunks  # one forward per step
         assert sizes == ([(2, [60])] if budget is None else [(2, [10])] * 6)
         assert [len(eng.requests[i].seqs[0].output) for i in range(2)] == [e + steps for e in emitted]
-        assert eng.run()[rid][0] == kvlib.generate(tiny, torch.tensor([long]), max_new_tokens=3)[0, 60:].tolist()
+        assert eng.run()[rid][0] == kvlib.generate(tiny, torch.tensor([long], device=device), max_new_tokens=3)[0, 60:].tolist()
 
 
-def test_a_budget_below_the_running_count_decodes_the_oldest_and_still_finishes(tiny):
+def test_a_budget_below_the_running_count_decodes_the_oldest_and_still_finishes(tiny, device):
     """token_budget=2 with three samples running: each step is one forward of at most two tokens,
     the two oldest decode and the third waits (no prompt is admitted meanwhile); the tokens are
     still generate's, and everything finishes."""
-    want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=4)[0, len(p):].tolist() for p in ([1, 2, 3], [4, 5])]
-    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=32, block_size=4), token_budget=2)
+    want = [kvlib.generate(tiny, torch.tensor([p], device=device), max_new_tokens=4)[0, len(p):].tolist() for p in ([1, 2, 3], [4, 5])]
+    eng = Engine(tiny, PagedCache.for_model(tiny, num_blocks=32, block_size=4), token_budget=2)
     eng.add([1, 2, 3], 4, n=3)  # greedy: three identical samples
     eng.add([4, 5], 4)
     seen = []
@@ -244,12 +246,12 @@ def test_a_budget_below_the_running_count_decodes_the_oldest_and_still_finishes(
     assert eng.stats.forwards == eng.stats.steps == len(seen)
 
 
-def test_a_prefill_that_runs_out_of_blocks_is_put_back_and_recomputed(tiny, monkeypatch):
+def test_a_prefill_that_runs_out_of_blocks_is_put_back_and_recomputed(tiny, monkeypatch, device):
     """A 16-token prompt is admitted (9 of 20 blocks of 2 are needed, 14 are free) while two
     sequences run; at 2 prompt tokens a step, their growth takes the blocks it still needs.
     The half-prefilled prompt gives its blocks back, waits, and its tokens are still exact."""
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8], list(range(10, 26))]
-    want = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=16)[0, len(p):].tolist() for p in prompts]
+    want = [kvlib.generate(tiny, torch.tensor([p], device=device), max_new_tokens=16)[0, len(p):].tolist() for p in prompts]
     abandoned = []
     real = Engine.step
 
@@ -259,7 +261,7 @@ def test_a_prefill_that_runs_out_of_blocks_is_put_back_and_recomputed(tiny, monk
         return plan
 
     monkeypatch.setattr(Engine, "step", step)
-    cache = PagedCache.for_model(tiny.config, num_blocks=20, block_size=2, prefix_caching=False)
+    cache = PagedCache.for_model(tiny, num_blocks=20, block_size=2, prefix_caching=False)
     got, eng = _run_with_arrivals(tiny, cache, prompts, [0, 0, 2], 16, token_budget=4)
     assert got == want and abandoned and eng.stats.preemptions >= len(abandoned)
     assert cache.allocator.num_used == 0
@@ -267,7 +269,7 @@ def test_a_prefill_that_runs_out_of_blocks_is_put_back_and_recomputed(tiny, monk
 
 
 def test_token_times_are_recorded_per_emitted_token(tiny):
-    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=16, block_size=4), token_budget=8)
+    eng = Engine(tiny, PagedCache.for_model(tiny, num_blocks=16, block_size=4), token_budget=8)
     eng.add([1, 2, 3], 5)
     eng.run()
     seq = eng.requests[0].seqs[0]
@@ -279,12 +281,12 @@ def test_token_times_are_recorded_per_emitted_token(tiny):
     (2.5, TypeError, "must be an int, got float"), (True, TypeError, "must be an int, got bool")])
 def test_a_token_budget_must_be_a_positive_int(tiny, budget, error, match):
     with pytest.raises(error, match="token_budget " + match):
-        Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4), token_budget=budget)
+        Engine(tiny, PagedCache.for_model(tiny, num_blocks=4, block_size=4), token_budget=budget)
 
 
-def test_a_prompt_whose_cache_add_fails_is_put_back(tiny, monkeypatch):
+def test_a_prompt_whose_cache_add_fails_is_put_back(tiny, monkeypatch, device):
     """The group left the queue when it was admitted; if the cache refuses it, it must go back."""
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     eng = Engine(tiny, cache, token_budget=8)
     eng.add([1, 2, 3, 4, 5], 3)
     real, calls = cache.add, []
@@ -299,7 +301,7 @@ def test_a_prompt_whose_cache_add_fails_is_put_back(tiny, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         eng.step()
     assert len(eng.scheduler.waiting) == 1 and not eng.finished
-    ref = kvlib.generate(tiny, torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=3)[0, 5:].tolist()
+    ref = kvlib.generate(tiny, torch.tensor([[1, 2, 3, 4, 5]], device=device), max_new_tokens=3)[0, 5:].tolist()
     assert eng.run()[0][0] == ref
 
 
@@ -308,7 +310,7 @@ def test_a_prompt_whose_cache_add_fails_is_put_back(tiny, monkeypatch):
     (2.5, TypeError, "token_budget must be an int, got float"),
     (True, TypeError, "token_budget must be an int, got bool")])
 def test_a_schedule_budget_must_be_a_positive_int(tiny, budget, error, match):
-    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4))
+    eng = Engine(tiny, PagedCache.for_model(tiny, num_blocks=4, block_size=4))
     eng.add([1, 2], 2)
     with pytest.raises(error, match=match):
         eng.scheduler.schedule(budget)
@@ -316,7 +318,7 @@ def test_a_schedule_budget_must_be_a_positive_int(tiny, budget, error, match):
 
 
 def test_prompt_ids_must_be_integers(tiny):
-    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=4, block_size=4))
+    eng = Engine(tiny, PagedCache.for_model(tiny, num_blocks=4, block_size=4))
     with pytest.raises(TypeError, match="token ids are integers, got float 1.5"):
         eng.add([1, 1.5], 2)
     with pytest.raises(TypeError, match="got str"):
@@ -327,7 +329,7 @@ def test_prompt_ids_must_be_integers(tiny):
 def test_a_group_already_queued_or_running_is_refused(tiny):
     """0.4: Scheduler.add took a group that was already queued; after run() 2 blocks and
     1 cache sequence leaked (it was prefilled twice, and only one copy was ever freed)."""
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     eng = Engine(tiny, cache)
     rid = eng.add([1, 2, 3, 4, 5], max_new_tokens=3)
     group = list(eng.requests[rid].seqs)
@@ -342,7 +344,7 @@ def test_a_group_already_queued_or_running_is_refused(tiny):
 
 
 def test_a_group_part_way_into_the_cache_is_refused(tiny):
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     eng = Engine(tiny, cache, token_budget=2)
     rid = eng.add([1, 2, 3, 4, 5], max_new_tokens=2)
     eng.step()  # the first chunk of 2 ran; the prompt is part-way in
@@ -359,7 +361,7 @@ def test_a_pool_of_another_dtype_is_refused_at_construction(tiny):
     half = kvlib.Transformer(tiny.config, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"torch.float32 on cpu but the model runs in torch.bfloat16 .*"
                                          r"PagedCache.for_model\(model"):
-        Engine(half, PagedCache.for_model(tiny.config, num_blocks=16, block_size=4))
+        Engine(half, PagedCache.for_model(tiny, num_blocks=16, block_size=4))
     eng = Engine(half, PagedCache.for_model(half, num_blocks=16, block_size=4))  # the fix the message names
     rid = eng.add([1, 2, 3], max_new_tokens=2)
     assert len(eng.run()[rid][0]) == 2

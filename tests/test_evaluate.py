@@ -10,6 +10,8 @@ from kvlib import ModelConfig, Transformer
 from kvlib.data import tiny_shakespeare
 from kvlib.evaluate import agreement, score
 
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 def test_tiny_shakespeare_splits():
     full = tiny_shakespeare("all")

@@ -7,6 +7,8 @@ import pytest
 from kvlib import PRESETS, memory
 from kvbook.explorer import CONTEXTS, MODELS, bar_svg, cache_report, explorer, kv_head_choices
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 GiB = 2**30
 
 

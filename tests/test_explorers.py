@@ -28,6 +28,8 @@ from kvlib.hardware import HARDWARE, step_time
 from kvlib.memory import DTYPE_BYTES
 from kvlib.simulate import POLICIES, request_trace, simulate
 
+pytestmark = pytest.mark.cpu_only("drives Chromium over the built site")
+
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 STEP_MODELS = [m for m in MODELS if PRESETS[m].family == "llama"]  # weights counted: a step can be timed

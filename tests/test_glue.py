@@ -7,6 +7,8 @@ import pytest
 
 import kvbook
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 
 def glued(**values) -> dict:
     with mock.patch("myst_nb.glue") as glue:

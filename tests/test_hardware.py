@@ -10,6 +10,8 @@ from kvlib.hardware import (
     GPT_FAST_A100, HARDWARE, Hardware, StepTime, fast_dtype, fastest, measure, step_time,
 )
 
+pytestmark = pytest.mark.cpu_only("about the CPU: threads, AMX, oneDNN")
+
 SMALL = [
     PRESETS["tiny"],  # MHA, untied embeddings
     PRESETS["tiny"].replace(n_kv_head=2, tie_embeddings=True),  # GQA, tied

@@ -9,6 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvlib
 from kvlib.hf import config_from_hf, from_hf, hf_cache_bytes, hf_generate_batch, to_hf
 
+pytestmark = pytest.mark.cpu_only("needs SmolLM2's weights (the GGUF), which the GPU machine lacks")
+
 # fp32, same weights, different kernels and summation orders (fused vs separate matmuls,
 # (in, out) vs (out, in) layout): logits agree to about 1e-5 of their scale.
 TOL = dict(rtol=1e-4, atol=1e-4)

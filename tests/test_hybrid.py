@@ -18,13 +18,15 @@ from kvlib import DynamicCache, ModelConfig, Transformer
 from kvlib import layers as L
 from kvlib.hybrid import HybridCache, Recompute
 
+pytestmark = pytest.mark.device
+
 TOL = dict(atol=2e-5, rtol=2e-5)  # fp32: another kernel (masked SDPA vs fused) on other shapes
 
 
-def tiny(pattern, seed=0):
+def tiny(pattern, seed=0, device="cpu"):
     cfg = ModelConfig(n_layer=len(pattern), n_head=4, n_kv_head=2, d_model=32, d_ff=48, vocab_size=97,
                       max_seq_len=512, layers=pattern)
-    model = Transformer(cfg)
+    model = Transformer(cfg, device=device)
     model.reset_parameters(seed=seed, std=0.2)
     return model.eval()
 
@@ -47,7 +49,7 @@ def reference_logits(model, ids):
     """Recompute with per-layer masks, wired by hand from the model's public parts."""
     cfg = model.config
     B, T = ids.shape
-    cos, sin = kvlib.model.rope_cos_sin(torch.arange(T).expand(B, T), cfg.head_dim, cfg.rope_base)
+    cos, sin = kvlib.model.rope_cos_sin(torch.arange(T, device=ids.device).expand(B, T), cfg.head_dim, cfg.rope_base)
     cos, sin = cos[:, :, None], sin[:, :, None]
     x = model.embed(ids)
     kv = {}
@@ -64,7 +66,7 @@ def reference_logits(model, ids):
             k, v = kv[kind.source]
             kind = cfg.layers[kind.source]
         kv[i] = (k, v)
-        mask = brute_mask(kind, T)[None, None]
+        mask = brute_mask(kind, T).to(ids.device)[None, None]
         y = kvlib.attention(q, k, v, mask)  # the reference attention: repeat_kv and a plain softmax
         x = x + a.wo(y.transpose(1, 2).reshape(B, T, H * D))
         x = x + block.mlp(block.mlp_norm(x))
@@ -81,9 +83,9 @@ PATTERNS = {
 
 
 @pytest.mark.parametrize("name", PATTERNS)
-def test_model_without_cache_is_the_hand_wired_masked_recompute(name):
-    model = tiny(PATTERNS[name])
-    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(1))
+def test_model_without_cache_is_the_hand_wired_masked_recompute(name, device):
+    model = tiny(PATTERNS[name], device=device)
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), reference_logits(model, ids), **TOL)
 
@@ -106,34 +108,34 @@ def run_chunks(model, ids, chunks, cache):
     chunks=st.lists(st.integers(1, 7), min_size=1, max_size=8),
     seed=st.integers(0, 3),
 )
-def test_hybrid_cache_equals_the_masked_recompute_at_every_step(pattern, share, chunks, seed):
+def test_hybrid_cache_equals_the_masked_recompute_at_every_step(pattern, share, chunks, seed, device):
     """Any pattern, any prefill chunking and decode steps: every step's logits equal the rows of
     a recompute over the whole text with per-layer masks (hypothesis)."""
     if share:
         pattern = pattern + [L.shared(len(pattern) - 1)]
-    model = tiny(pattern, seed)
+    model = tiny(pattern, seed, device=device)
     n = sum(chunks)
-    ids = torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
     with torch.no_grad():
         got = run_chunks(model, ids, chunks, HybridCache.for_model(model.config))
         torch.testing.assert_close(got, model(ids), **TOL)  # model(ids): kvlib.hybrid.Recompute
 
 
 @pytest.mark.parametrize("name", PATTERNS)
-def test_generate_with_a_hybrid_cache_gives_the_recompute_tokens(name):
-    model = tiny(PATTERNS[name], seed=2)
-    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
+def test_generate_with_a_hybrid_cache_gives_the_recompute_tokens(name, device):
+    model = tiny(PATTERNS[name], seed=2, device=device)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3)).to(device)
     want = kvlib.generate_naive(model, ids, 16)  # no cache: the masked recompute every step
     got = kvlib.generate(model, ids, 16)  # a HybridCache by default
     assert torch.equal(got, want)
 
 
-def test_while_the_text_fits_every_window_it_is_the_full_cache_bit_for_bit():
+def test_while_the_text_fits_every_window_it_is_the_full_cache_bit_for_bit(device):
     """Nothing evicted, nothing masked: the same tensors reach the same kernels."""
     pattern = [L.window(32), L.full(), L.window(32, sinks=4), L.chunked(64)]
-    model = tiny(pattern)
+    model = tiny(pattern, device=device)
     full = model.with_layers(None)
-    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(5)).to(device)
     hyb, dyn = HybridCache.for_model(model.config), DynamicCache(4)
     with torch.no_grad():
         assert torch.equal(model(ids[:, :12], hyb), full(ids[:, :12], dyn))
@@ -141,10 +143,10 @@ def test_while_the_text_fits_every_window_it_is_the_full_cache_bit_for_bit():
             assert torch.equal(model(ids[:, t:t + 1], hyb), full(ids[:, t:t + 1], dyn))
 
 
-def test_a_window_layer_holds_its_window_and_a_decode_step_writes_one_slot():
-    model = tiny([L.window(4, sinks=1), L.full()])
+def test_a_window_layer_holds_its_window_and_a_decode_step_writes_one_slot(device):
+    model = tiny([L.window(4, sinks=1), L.full()], device=device)
     cache = HybridCache.for_model(model.config)
-    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         model(ids[:, :7], cache)
         assert sorted(cache.kept_positions(0).tolist()) == [0, 3, 4, 5, 6]
@@ -159,10 +161,10 @@ def test_a_window_layer_holds_its_window_and_a_decode_step_writes_one_slot():
         assert cache.nbytes == one_slot * (5 + 12)
 
 
-def test_shared_layers_keep_nothing_and_read_their_source():
-    model = tiny([L.full(), L.shared(0), L.full(), L.shared(2)])
+def test_shared_layers_keep_nothing_and_read_their_source(device):
+    model = tiny([L.full(), L.shared(0), L.full(), L.shared(2)], device=device)
     cache = HybridCache.for_model(model.config)
-    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         model(ids, cache)
     assert cache.keys[1] is None and cache.keys[3] is None
@@ -171,10 +173,10 @@ def test_shared_layers_keep_nothing_and_read_their_source():
     assert not cache.lent  # no view of the step is kept once every reader has read it
 
 
-def test_a_chunked_layer_starts_each_chunk_empty():
-    model = tiny([L.chunked(4), L.full()])
+def test_a_chunked_layer_starts_each_chunk_empty(device):
+    model = tiny([L.chunked(4), L.full()], device=device)
     cache = HybridCache.for_model(model.config)
-    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(0)).to(device)
     held = []
     with torch.no_grad():
         for t in range(10):
@@ -183,9 +185,9 @@ def test_a_chunked_layer_starts_each_chunk_empty():
     assert held == [1, 2, 3, 4, 1, 2, 3, 4, 1, 2] == [L.tokens_held(L.chunked(4), t + 1) for t in range(10)]
 
 
-def test_crop_works_while_nothing_needed_is_evicted_and_refuses_otherwise():
-    model = tiny([L.window(4), L.full()])
-    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+def test_crop_works_while_nothing_needed_is_evicted_and_refuses_otherwise(device):
+    model = tiny([L.window(4), L.full()], device=device)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         cache = HybridCache.for_model(model.config)
         model(ids[:, :3], cache)
@@ -199,9 +201,9 @@ def test_crop_works_while_nothing_needed_is_evicted_and_refuses_otherwise():
         assert cache.seq_len == 0 and cache.nbytes == 0
 
 
-def test_the_cache_and_the_model_must_agree_on_the_layers():
-    model = tiny([L.window(4), L.full()])
-    ids = torch.zeros(1, 3, dtype=torch.long)
+def test_the_cache_and_the_model_must_agree_on_the_layers(device):
+    model = tiny([L.window(4), L.full()], device=device)
+    ids = torch.zeros(1, 3, dtype=torch.long, device=device)
     with pytest.raises(ValueError, match="HybridCache"):
         model(ids, DynamicCache(2))
     with pytest.raises(ValueError, match="layer kinds differ"):
@@ -209,7 +211,7 @@ def test_the_cache_and_the_model_must_agree_on_the_layers():
     with pytest.raises(ValueError, match="layer kinds differ"):
         model.with_layers(None)(ids, HybridCache([L.window(5), L.full()]))
     with pytest.raises(ValueError, match="no step mask"):
-        model(ids, HybridCache.for_model(model.config), key_valid=torch.ones(1, 3, dtype=torch.bool))
+        model(ids, HybridCache.for_model(model.config), key_valid=torch.ones(1, 3, dtype=torch.bool, device=device))
 
 
 @pytest.mark.parametrize("bad, err, words", [
@@ -223,18 +225,18 @@ def test_bad_input_is_named(bad, err, words):
         bad()
 
 
-def test_a_shared_layer_before_its_source_is_refused():
+def test_a_shared_layer_before_its_source_is_refused(device):
     cache = HybridCache([L.full(), L.shared(0)])
-    k = torch.randn(1, 2, 3, 4)
+    k = torch.randn(1, 2, 3, 4, device=device)
     with pytest.raises(ValueError, match="must be updated"):
         cache.update(k, k, 1)
 
 
-def test_recompute_holds_everything_and_masks():
+def test_recompute_holds_everything_and_masks(device):
     cache = Recompute([L.window(2), L.full()])
-    k = torch.randn(1, 1, 5, 4)
+    k = torch.randn(1, 1, 5, 4, device=device)
     cache.update(k, k, 0)
     assert cache.get_seq_length(0) == 5
-    assert torch.equal(cache.layer_mask(0, None)[0, 0], brute_mask(L.window(2), 5))
+    assert torch.equal(cache.layer_mask(0, None)[0, 0], brute_mask(L.window(2), 5).to(device))
     cache.update(k, k, 1)
     assert cache.layer_mask(1, None) is None  # plain causal: SDPA's own fast path

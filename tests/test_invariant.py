@@ -17,13 +17,15 @@ import kvlib
 from kvlib import invariant, numerics
 from kvlib.padding import pad, position_ids
 
+pytestmark = pytest.mark.device
+
 VOCAB = 61
 CFG = kvlib.ModelConfig(vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96, max_seq_len=128)
 
 
 @pytest.fixture(scope="module")
-def model():
-    m = kvlib.Transformer(CFG)
+def model(device):
+    m = kvlib.Transformer(CFG, device=device)
     m.reset_parameters(seed=3, std=0.2)
     m.eval().set_batch_invariant(True)
     return m
@@ -46,9 +48,9 @@ cuts = st.lists(st.integers(1, 19), max_size=6)
 
 @torch.inference_mode()
 @given(n=seq_len, other_lens=others, seed=st.integers(0, 10**6))
-def test_alone_or_left_padded_in_a_batch_the_same_bits(model, n, other_lens, seed):
+def test_alone_or_left_padded_in_a_batch_the_same_bits(model, n, other_lens, seed, device):
     ids = tokens(seed, n)
-    alone = model(torch.tensor([ids]))[0]  # (n, vocab)
+    alone = model(torch.tensor([ids], device=device))[0]  # (n, vocab)
     rows = [tokens(seed + 1 + i, m) for i, m in enumerate(other_lens)]
     at = len(rows) // 2  # somewhere in the middle of the batch
     batch, valid = pad(rows[:at] + [ids] + rows[at:])
@@ -58,8 +60,8 @@ def test_alone_or_left_padded_in_a_batch_the_same_bits(model, n, other_lens, see
 
 @torch.inference_mode()
 @given(n=seq_len, chunk_cuts=cuts, seed=st.integers(0, 10**6))
-def test_cached_in_any_chunks_the_same_bits_as_recomputed(model, n, chunk_cuts, seed):
-    ids = torch.tensor([tokens(seed, n)])
+def test_cached_in_any_chunks_the_same_bits_as_recomputed(model, n, chunk_cuts, seed, device):
+    ids = torch.tensor([tokens(seed, n)], device=device)
     alone = model(ids)[0]
     cache = kvlib.DynamicCache(CFG.n_layer)
     fed = torch.cat([model(ids[:, lo:hi], cache)[0] for lo, hi in split(n, chunk_cuts)])
@@ -68,12 +70,12 @@ def test_cached_in_any_chunks_the_same_bits_as_recomputed(model, n, chunk_cuts, 
 
 @torch.inference_mode()
 @given(n=seq_len, chunk_cuts=cuts, other_lens=others, seed=st.integers(0, 10**6))
-def test_in_packed_paged_steps_beside_others_the_same_bits(model, n, chunk_cuts, other_lens, seed):
+def test_in_packed_paged_steps_beside_others_the_same_bits(model, n, chunk_cuts, other_lens, seed, device):
     """The serving engine's step: the sequence's chunks share one packed row with other sequences' chunks."""
     ids = tokens(seed, n)
-    alone = model(torch.tensor([ids]))[0]
+    alone = model(torch.tensor([ids], device=device))[0]
     rows = [tokens(seed + 1 + i, m) for i, m in enumerate(other_lens)]
-    cache = kvlib.PagedCache.for_model(CFG, num_blocks=64, block_size=4)
+    cache = kvlib.PagedCache.for_model(CFG, num_blocks=64, block_size=4, device=device)
     sids = [cache.add()[0] for _ in range(len(rows) + 1)]  # sids[0]: ours
     plans = [split(n, chunk_cuts)] + [split(len(r), [c + i for c in chunk_cuts]) for i, r in enumerate(rows, 1)]
     texts = [ids] + rows
@@ -82,16 +84,16 @@ def test_in_packed_paged_steps_beside_others_the_same_bits(model, n, chunk_cuts,
         live = [i for i, p in enumerate(plans) if step < len(p)]
         chunks = [texts[i][slice(*plans[i][step])] for i in live]
         with cache.step([sids[i] for i in live], chunks, packed=True) as batch:
-            logits = model(torch.tensor([sum(chunks, [])]), batch)[0]  # (N, vocab)
+            logits = model(torch.tensor([sum(chunks, [])], device=device), batch)[0]  # (N, vocab)
         if live[0] == 0:
             got.append(logits[: len(chunks[0])])  # ours come first in the row
     assert torch.equal(torch.cat(got), alone)
 
 
 @torch.inference_mode()
-def test_the_numerics_ways_agree_bit_for_bit_in_the_mode_and_not_only_by_luck(model):
-    ids = torch.tensor([tokens(7, 24)])
-    others = torch.tensor([tokens(8, 24), tokens(9, 24)])
+def test_the_numerics_ways_agree_bit_for_bit_in_the_mode_and_not_only_by_luck(model, device):
+    ids = torch.tensor([tokens(7, 24)], device=device)
+    others = torch.tensor([tokens(8, 24), tokens(9, 24)], device=device)
     ref = numerics.recomputed(model, ids, 4)
     for got in (numerics.cached(model, ids, 4), numerics.chunked(model, ids, 5, 4),
                 numerics.batched(model, ids, others, 4), numerics.paged(model, ids, 4, block_size=8)):
@@ -99,10 +101,10 @@ def test_the_numerics_ways_agree_bit_for_bit_in_the_mode_and_not_only_by_luck(mo
         assert torch.equal(ref, got)
 
 
-def test_the_mode_changes_the_kernels_and_off_restores_them():
-    m = kvlib.Transformer(CFG)
+def test_the_mode_changes_the_kernels_and_off_restores_them(device):
+    m = kvlib.Transformer(CFG, device=device)
     m.reset_parameters(seed=3, std=0.2)
-    ids = torch.tensor([tokens(1, 12)])
+    ids = torch.tensor([tokens(1, 12)], device=device)
     with torch.inference_mode():
         fast = m(ids)
         m.set_batch_invariant(True)
@@ -114,34 +116,34 @@ def test_the_mode_changes_the_kernels_and_off_restores_them():
     torch.testing.assert_close(slow, fast, rtol=1e-4, atol=1e-4)  # the same function, another order
 
 
-def test_the_pieces_against_torch():
+def test_the_pieces_against_torch(device):
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(5, 3, 40, generator=g), torch.randn(40, 24, generator=g)
+    x, w = torch.randn(5, 3, 40, generator=g).to(device), torch.randn(40, 24, generator=g).to(device)
     torch.testing.assert_close(invariant.linear(x, w), x @ w, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(invariant.fixed_sum(x, block=8), x.sum(-1), rtol=1e-5, atol=1e-5)
     # silu's scalar tail differs from its SIMD body on some CPUs (the build machine's, for this y at sizes 35+):
     # an element's bits must not depend on the size of the tensor it sits in
-    y = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(device)
     for fn in (torch.exp, torch.nn.functional.silu):
         whole = invariant.elementwise(fn, y)
         assert all(torch.equal(whole[:n], invariant.elementwise(fn, y[:n])) for n in range(1, 64))
         torch.testing.assert_close(invariant.elementwise(fn, y), fn(y), rtol=1e-6, atol=1e-6)
-    q = torch.randn(2, 4, 6, 8, generator=g)
-    k, v = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    q = torch.randn(2, 4, 6, 8, generator=g).to(device)
+    k, v = torch.randn(2, 2, 9, 8, generator=g).to(device), torch.randn(2, 2, 9, 8, generator=g).to(device)
     mask = kvlib.causal_mask(6, 9)[None, None]
     torch.testing.assert_close(invariant.attention(q, k, v, mask), kvlib.attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_weights_are_refused():
+def test_quantized_weights_are_refused(device):
     from kvlib.wquant import quantize_weights
 
-    m = kvlib.Transformer(CFG)
+    m = kvlib.Transformer(CFG, device=device)
     m.reset_parameters(seed=0, std=0.2)
     quantize_weights(m)
     with pytest.raises(TypeError, match="quantized"):
         m.set_batch_invariant(True)
     with pytest.raises(TypeError, match="bool"):
-        kvlib.Transformer(CFG).set_batch_invariant("yes")
+        kvlib.Transformer(CFG, device=device).set_batch_invariant("yes")
 
 
 @torch.inference_mode()
@@ -183,11 +185,11 @@ def test_the_model_owns_the_switch_and_rope_is_a_leaf():
     assert apply_rope is kvlib.rope.apply_rope and rope_cos_sin is kvlib.rope.rope_cos_sin
 
 
-def test_the_table_is_every_position_of_rope_cos_sin():
-    m = kvlib.Transformer(CFG)
+def test_the_table_is_every_position_of_rope_cos_sin(device):
+    m = kvlib.Transformer(CFG, device=device)
     m.set_batch_invariant(True)
     cos, sin = kvlib.rope.rope_table(CFG.max_seq_len, CFG.head_dim, CFG.rope_base)
-    want = kvlib.rope.rope_cos_sin(torch.arange(CFG.max_seq_len)[None], CFG.head_dim, CFG.rope_base)
+    want = kvlib.rope.rope_cos_sin(torch.arange(CFG.max_seq_len, device=device)[None], CFG.head_dim, CFG.rope_base)
     assert torch.equal(cos, want[0][0]) and torch.equal(sin, want[1][0])
     small = m.first_layers(1)
     assert small.batch_invariant and small.with_layers(None).batch_invariant

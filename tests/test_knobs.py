@@ -18,6 +18,8 @@ pytest.importorskip("ipywidgets")
 
 from kvbook.knobs import masks, quant, speculative, step  # noqa: E402
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 
 def evicting_kept(kind: L.LayerKind, n: int) -> list[int]:
     """The positions kvlib.evict's cache for a window kind keeps after n tokens, one at a time."""

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from kvlib import PRESETS
 from kvlib import layers as L
 
+pytestmark = pytest.mark.cpu_only("pure Python: formulas, tables and simulations with no tensors on a device")
+
 
 def brute_visible(kind, q, k):
     """The mask written from the definitions, one pair at a time."""

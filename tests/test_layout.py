@@ -9,6 +9,9 @@ each check walks them all. (The book's tooling beside it, `kvbook`, `kvbench`, `
 import ast
 import re
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.cpu_only("about the repository (layout, versions, CI, docstrings), not kvlib on a device")
 
 ROOT = Path(__file__).resolve().parents[1]
 KVLIB = ROOT / "kvlib"

@@ -22,10 +22,12 @@ from kvlib.press import PressCache, SnapKVPress
 from kvlib.quant import CastCache, FP8Cache, QuantizedCache
 from kvlib.speculative import PromptLookupDraft, speculative_generate
 
+pytestmark = pytest.mark.device
+
 
 @pytest.fixture
-def tiny():
-    model = kvlib.Transformer(kvlib.PRESETS["tiny"])
+def tiny(device):
+    model = kvlib.Transformer(kvlib.PRESETS["tiny"], device=device)
     model.reset_parameters(seed=0, std=0.2)  # sharp logits: no near ties
     return model
 
@@ -35,16 +37,16 @@ def newest_position(cache) -> int:
     return int(cache.kept_positions(0).max()) + 1
 
 
-def window_first(max_seq_len: int = 256):
+def window_first(max_seq_len: int = 256, device="cpu"):
     config = kvlib.PRESETS["tiny"].replace(layers=(window(8), full()), max_seq_len=max_seq_len)
-    model = kvlib.Transformer(config)
+    model = kvlib.Transformer(config, device=device)
     model.reset_parameters(seed=0, std=0.2)
     return model
 
 
 @pytest.mark.parametrize("kind", ["window", "hybrid window-first"])
-def test_a_chat_feeds_each_token_once_whatever_the_cache_holds(tiny, kind):
-    model = tiny if kind == "window" else window_first()
+def test_a_chat_feeds_each_token_once_whatever_the_cache_holds(tiny, kind, device):
+    model = tiny if kind == "window" else window_first(device=device)
     cache = (WindowCache(model.config.n_layer, 8) if kind == "window"
              else HybridCache.for_model(model.config))
     chat = ChatSession(model, cache=cache)
@@ -68,24 +70,24 @@ def test_speculative_decoding_refuses_a_cache_that_evicts(tiny, make):
         speculative_generate(tiny, prompt, 36, PromptLookupDraft(), cache=make(tiny.config.n_layer))
 
 
-def test_a_window_first_hybrid_model_keeps_to_max_seq_len():
-    model = window_first(max_seq_len=32)
+def test_a_window_first_hybrid_model_keeps_to_max_seq_len(device):
+    model = window_first(max_seq_len=32, device=device)
     with pytest.raises(ValueError, match="max_seq_len"):
         kvlib.generate(model, list(range(1, 11)), 30, cache=HybridCache.for_model(model.config))
     cache = HybridCache.for_model(model.config)
-    model(torch.arange(1, 31)[None], cache)
+    model(torch.arange(1, 31, device=device)[None], cache)
     with pytest.raises(ValueError, match="max_seq_len"):
-        model(torch.tensor([[1, 2, 3]]), cache)  # positions 30..32: past the last one, 31
+        model(torch.tensor([[1, 2, 3]], device=device), cache)  # positions 30..32: past the last one, 31
 
 
-def test_crop_takes_a_length_of_text_and_refuses_what_is_evicted(tiny):
+def test_crop_takes_a_length_of_text_and_refuses_what_is_evicted(tiny, device):
     cache = WindowCache(tiny.config.n_layer, 8)
     kvlib.generate(tiny, [1, 2, 3], 14, cache=cache)  # 16 tokens fed (the last one sampled, not fed)
     with pytest.raises(ValueError, match="evicted"):
         cache.crop(5)  # positions 0..4 are gone: 0.4 kept the 5 oldest held slots, positions 8..12
     cache.crop(15)
     assert newest_position(cache) == 15 and cache.tokens_seen == 15
-    assert int(cache.positions(torch.tensor([[1]]))[0, 0]) == 15
+    assert int(cache.positions(torch.tensor([[1]], device=device))[0, 0]) == 15
     sink = SinkCache(tiny.config.n_layer, 2, 6, tiny.config.rope_base)
     kvlib.generate(tiny, [1, 2, 3], 14, cache=sink)
     with pytest.raises(ValueError, match="evicted"):
@@ -95,7 +97,7 @@ def test_crop_takes_a_length_of_text_and_refuses_what_is_evicted(tiny):
     assert sink.kept_positions(0)[0, 0].tolist() == [0, 1, 10, 11, 12, 13, 14]
 
 
-def test_h2o_and_press_caches_refuse_a_crop_they_cannot_undo(tiny):
+def test_h2o_and_press_caches_refuse_a_crop_they_cannot_undo(tiny, device):
     h2o = H2OCache(tiny.config.n_layer, heavy=4, recent=4)
     tiny.set_attention_impl(h2o.attention)
     try:
@@ -106,7 +108,7 @@ def test_h2o_and_press_caches_refuse_a_crop_they_cannot_undo(tiny):
         h2o.crop(3)
     h2o.crop(0)
     assert h2o.tokens_seen == 0
-    cache, logits = kvlib.press.prefill(tiny, torch.arange(1, 21)[None], SnapKVPress(window_size=4), 0.5)
+    cache, logits = kvlib.press.prefill(tiny, torch.arange(1, 21, device=device)[None], SnapKVPress(window_size=4), 0.5)
     kvlib.decode_step(tiny, logits.argmax(-1), cache)
     with pytest.raises(ValueError, match="compressed"):
         cache.crop(12)
@@ -125,9 +127,9 @@ CROPPED = {
 
 
 @pytest.mark.parametrize("name", CROPPED)
-def test_crop_keeps_no_view_alive(name):
+def test_crop_keeps_no_view_alive(name, device):
     cache = CROPPED[name]()
-    k = torch.randn(1, 2, 10, 8)
+    k = torch.randn(1, 2, 10, 8, device=device)
     cache.update(k, k.clone(), 0)
     cache.crop(2)
     assert storage_bytes(cache) == cache.nbytes  # 0.4: DynamicCache reported 128 bytes, 640 stayed alive
@@ -141,12 +143,12 @@ EMPTIED = CROPPED | {
 
 
 @pytest.mark.parametrize("name", EMPTIED)
-def test_crop_to_zero_takes_a_new_batch_size(name):
+def test_crop_to_zero_takes_a_new_batch_size(name, device):
     cache = EMPTIED[name]()
-    k = torch.randn(2, 2, 5, 8)
+    k = torch.randn(2, 2, 5, 8, device=device)
     cache.update(k, k.clone(), 0)
     cache.crop(0)
-    k3 = torch.randn(3, 2, 4, 8)
+    k3 = torch.randn(3, 2, 4, 8, device=device)
     keys, _ = cache.update(k3, k3.clone(), 0)  # 0.4: RuntimeError (a stale buffer) in seven caches
     assert keys.shape[0] == 3 and cache.get_seq_length(0) == 4
 
@@ -164,7 +166,7 @@ def test_check_cache_catches_a_cache_that_reports_held_as_seen():
 
 
 def test_misuse_gets_an_error_that_says_what_to_do(tiny):
-    paged = kvlib.PagedCache.for_model(tiny.config, num_blocks=8, block_size=4)
+    paged = kvlib.PagedCache.for_model(tiny, num_blocks=8, block_size=4)
     with pytest.raises(TypeError, match=r"PagedCache.*Engine.*step"):
         kvlib.generate(tiny, [1, 2, 3], 4, cache=paged)
 

@@ -21,7 +21,8 @@ from kvlib import _moved
 ROOT = Path(__file__).resolve().parents[1]
 TOOLING = ("kvbook", "kvbench", "vllmcheck", "kvpresscheck")
 HEAVY = TOOLING + ("matplotlib", "ipywidgets")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # each test asks for the one it expects
+pytestmark = [pytest.mark.cpu_only("about the repository (layout, versions, CI, docstrings), not kvlib on a device"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # each test asks for the one it expects
 
 
 def fresh(code: str) -> subprocess.CompletedProcess:

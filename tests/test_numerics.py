@@ -6,6 +6,8 @@ import torch
 import kvlib
 from kvlib import numerics
 
+pytestmark = pytest.mark.cpu_only("needs SmolLM2's weights (the GGUF), which the GPU machine lacks")
+
 CFG = kvlib.ModelConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=64)
 
 

@@ -11,6 +11,8 @@ import kvlib
 from kvlib.packed import (PackedBatch, cu_seqlens, pack, packed_attention, packed_mask,
                           packed_positions, segment_lengths)
 
+pytestmark = pytest.mark.device
+
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -23,7 +25,7 @@ def one_sequence(q, k, v):
     Tk, H_kv, _ = k.shape
     k, v = k.repeat_interleave(H // H_kv, dim=1), v.repeat_interleave(H // H_kv, dim=1)
     s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)  # (H, Tq, Tk)
-    future = torch.arange(Tk)[None, :] > torch.arange(Tq)[:, None] + (Tk - Tq)
+    future = torch.arange(Tk, device=q.device)[None, :] > torch.arange(Tq, device=q.device)[:, None] + (Tk - Tq)
     s = s.masked_fill(future, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)  # (Tq, H, D)
 
@@ -34,14 +36,14 @@ segments = st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), min_size=1,
 @settings(max_examples=50, deadline=None)
 @given(seg=segments, H_kv=st.sampled_from([1, 2]), G=st.sampled_from([1, 3]), seed=st.integers(0, 999),
        impl=st.sampled_from(["sdpa", "reference"]))
-def test_packed_attention_equals_each_sequence_alone(seg, H_kv, G, seed, impl):
+def test_packed_attention_equals_each_sequence_alone(seg, H_kv, G, seed, impl, device):
     """seg: (queries, cached keys before them) per sequence; prefill when every cached count is 0."""
     g = torch.Generator().manual_seed(seed)
     lq = [a for a, _ in seg]
     lk = [a + b for a, b in seg]
     D, H = 8, H_kv * G
-    q = torch.randn(sum(lq), H, D, generator=g)
-    k, v = torch.randn(sum(lk), H_kv, D, generator=g), torch.randn(sum(lk), H_kv, D, generator=g)
+    q = torch.randn(sum(lq), H, D, generator=g).to(device)
+    k, v = torch.randn(sum(lk), H_kv, D, generator=g).to(device), torch.randn(sum(lk), H_kv, D, generator=g).to(device)
     cq, ck = cu_seqlens(lq), cu_seqlens(lk)
     got = packed_attention(q, k, v, cq, ck, impl=impl)
     for i in range(len(seg)):
@@ -85,16 +87,16 @@ def test_cu_seqlens_pack_and_positions():
     (torch.tensor([0, 5, 3]), "strictly increase"),
     (torch.tensor([0, 2, 7]), "cu_seqlens_q ends at 7 .* q has 6 tokens"),
 ])
-def test_bad_cu_seqlens_are_value_errors(cu, match):
-    q = torch.randn(6, 2, 4)
+def test_bad_cu_seqlens_are_value_errors(cu, match, device):
+    q = torch.randn(6, 2, 4, device=device)
     with pytest.raises(ValueError, match=match):
         packed_attention(q, q, q, cu)
 
 
-def test_other_bad_input():
-    q = torch.randn(6, 2, 4)
+def test_other_bad_input(device):
+    q = torch.randn(6, 2, 4, device=device)
     with pytest.raises(TypeError, match="1-D integer tensor"):
-        packed_attention(q, q, q, torch.tensor([0.0, 6.0]))
+        packed_attention(q, q, q, torch.tensor([0.0, 6.0], device=device))
     with pytest.raises(TypeError, match="1-D integer tensor"):
         packed_mask([0, 6])
     with pytest.raises(ValueError, match=r"sequences \[1\] have more queries than keys"):
@@ -111,22 +113,22 @@ def test_other_bad_input():
         pack([])
 
 
-def tiny_model():
+def tiny_model(device="cpu"):
     cfg = kvlib.ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50,
                             max_seq_len=64)
-    model = kvlib.Transformer(cfg)
+    model = kvlib.Transformer(cfg, device=device)
     model.reset_parameters(seed=0, std=0.3)  # sharp logits: a leak between sequences would show
     return model.eval()
 
 
 @pytest.mark.parametrize("kernel", ["dense mask", "varlen"])
-def test_a_packed_batch_generates_what_each_prompt_generates_alone(kernel):
-    model = tiny_model()
+def test_a_packed_batch_generates_what_each_prompt_generates_alone(kernel, device):
+    model = tiny_model(device)
     rows = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]]
     n_new = 5
     with torch.inference_mode():
         alone = [kvlib.generate(model, r, n_new)[0, len(r):] for r in rows]
-        alone_logits = [model(torch.tensor([r]))[0] for r in rows]  # (T, vocab) each
+        alone_logits = [model(torch.tensor([r], device=device))[0] for r in rows]  # (T, vocab) each
     ids, cu = pack(rows)
     batch = PackedBatch(2, [len(r) for r in rows])
     if kernel == "varlen":  # the model's hook sees (1, H, N, D); the varlen layout is (N, H, D)
@@ -153,14 +155,14 @@ def test_a_packed_batch_generates_what_each_prompt_generates_alone(kernel):
     assert batch.nbytes == 2 * cfg.n_layer * cfg.n_kv_head * held * cfg.head_dim * 4
 
 
-def test_a_packed_batch_rejects_a_step_of_the_wrong_size():
-    model = tiny_model()
+def test_a_packed_batch_rejects_a_step_of_the_wrong_size(device):
+    model = tiny_model(device)
     batch = PackedBatch(2, [3, 2])
     with pytest.raises(ValueError, match=r"takes \(1, 5\) tokens \(\[3, 2\] per sequence\)"):
-        model(torch.tensor([[1, 2, 3, 4]]), batch)
-    model(torch.tensor([[1, 2, 3, 4, 5]]), batch)
+        model(torch.tensor([[1, 2, 3, 4]], device=device), batch)
+    model(torch.tensor([[1, 2, 3, 4, 5]], device=device), batch)
     with pytest.raises(ValueError, match=r"takes \(1, 2\) tokens \(\[1, 1\] per sequence\)"):
-        model(torch.tensor([[1, 2, 3]]), batch)
+        model(torch.tensor([[1, 2, 3]], device=device), batch)
     with pytest.raises(NotImplementedError, match="one length per sequence"):
         batch.crop(2)
     with pytest.raises(ValueError, match="at least one token"):

@@ -16,6 +16,8 @@ from kvlib.paged import BlockAllocator, OutOfBlocks
 from kvlib.engine import Engine
 from kvlib.paged import PagedCache, gather, paged_attention_loop, slot_mapping
 
+pytestmark = pytest.mark.device
+
 
 # -- helpers ------------------------------------------------------------------------------------------
 def paged_attention(  # the reference for paged reads: no chapter teaches with it, so it lives here
@@ -55,7 +57,7 @@ def prefix_values(tokens: list[int]) -> list[float]:
 def append(cache: PagedCache, sid: int, new: list[int]) -> None:
     """Append ``new`` tokens to one sequence through the Cache protocol (no model)."""
     vals = prefix_values(cache.tokens(sid) + new)[-len(new):]
-    k = torch.tensor(vals).view(1, 1, len(new), 1).expand(1, cache.n_kv_head, len(new), cache.head_dim)
+    k = torch.tensor(vals, device=cache.keys[0].device).view(1, 1, len(new), 1).expand(1, cache.n_kv_head, len(new), cache.head_dim)
     with cache.step([sid], [new]) as batch:
         for layer in range(cache.n_layer):
             batch.update(k.contiguous(), -k.contiguous(), layer)
@@ -64,7 +66,7 @@ def append(cache: PagedCache, sid: int, new: list[int]) -> None:
 def append_many(cache: PagedCache, sids: list[int], new: list[int]) -> None:
     """One step that appends one token to each of several sequences."""
     vals = [prefix_values(cache.tokens(s) + [t])[-1] for s, t in zip(sids, new)]
-    k = torch.tensor(vals).view(-1, 1, 1, 1).expand(len(sids), cache.n_kv_head, 1, cache.head_dim).contiguous()
+    k = torch.tensor(vals, device=cache.keys[0].device).view(-1, 1, 1, 1).expand(len(sids), cache.n_kv_head, 1, cache.head_dim).contiguous()
     with cache.step(sids, [[t] for t in new]) as batch:
         for layer in range(cache.n_layer):
             batch.update(k, -k, layer)
@@ -75,7 +77,7 @@ def assert_holds(cache: PagedCache, sid: int) -> None:
     toks = cache.tokens(sid)
     if not toks:
         return
-    want = torch.tensor(prefix_values(toks)).view(1, 1, -1, 1).expand(1, cache.n_kv_head, len(toks), cache.head_dim)
+    want = torch.tensor(prefix_values(toks), device=cache.keys[0].device).view(1, 1, -1, 1).expand(1, cache.n_kv_head, len(toks), cache.head_dim)
     for layer in range(cache.n_layer):
         k, v = cache.layer_kv(sid, layer)
         assert torch.equal(k, want), f"sequence {sid} layer {layer}: keys corrupted"
@@ -91,9 +93,9 @@ def start(cache: PagedCache, prompt: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(device):
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=128)
-    m = Transformer(cfg)
+    m = Transformer(cfg, device=device)
     m.reset_parameters(seed=0, std=0.2)  # sharp logits: no argmax ties, so token equality is a fair test
     return m.eval()
 
@@ -164,7 +166,7 @@ def test_slot_mapping_by_hand():
     chunk=st.integers(1, 7),
     seed=st.integers(0, 2**16),
 )
-def test_paged_equals_contiguous(block_size, lengths, chunk, seed):
+def test_paged_equals_contiguous(block_size, lengths, chunk, seed, device):
     """Random K/V written through the paged cache in chunks read back bit for bit, in a
     scrambled pool; and paged attention equals attention over the contiguous tensors."""
     g = torch.Generator().manual_seed(seed)
@@ -175,7 +177,7 @@ def test_paged_equals_contiguous(block_size, lengths, chunk, seed):
     order = list(range(num_blocks))
     random.Random(seed).shuffle(order)
     cache.allocator.reorder_free(order)
-    ref = [torch.randn(1, H, n, D, generator=g) for n in lengths]
+    ref = [torch.randn(1, H, n, D, generator=g).to(device) for n in lengths]
     sids = [cache.add()[0] for _ in lengths]
     for sid, kv, n in zip(sids, ref, lengths):
         for s in range(0, n, chunk):
@@ -189,10 +191,10 @@ def test_paged_equals_contiguous(block_size, lengths, chunk, seed):
 
     # paged attention for the last T tokens of every sequence at once
     T = min(lengths)
-    q = torch.randn(len(lengths), 2 * H, T, D, generator=g)
+    q = torch.randn(len(lengths), 2 * H, T, D, generator=g).to(device)
     n_max = max(-(-n // block_size) for n in lengths)
     tables = torch.tensor([cache.block_table(s) + [0] * (n_max - len(cache.block_table(s))) for s in sids])
-    got = paged_attention(q, cache.keys[0], cache.values[0], tables, torch.tensor(lengths))
+    got = paged_attention(q, cache.keys[0], cache.values[0], tables, torch.tensor(lengths, device=device))
     for b, kv in enumerate(ref):
         n = lengths[b]
         want = grouped_attention(q[b : b + 1], kv, 2 * kv, attention_mask(T, n))
@@ -205,41 +207,41 @@ def test_paged_equals_contiguous(block_size, lengths, chunk, seed):
     groups=st.sampled_from([1, 3]),
     seed=st.integers(0, 2**16),
 )
-def test_paged_attention_loop_equals_contiguous_attention(block_size, length, groups, seed):
+def test_paged_attention_loop_equals_contiguous_attention(block_size, length, groups, seed, device):
     """The per-block loop (online softmax over blocks read in place) against attention over the
     contiguous keys, in a pool whose blocks are scrambled and hold other data around them."""
     g = torch.Generator().manual_seed(seed)
     H_kv, D = 2, 8
     n = -(-length // block_size)
     table = random.Random(seed).sample(range(n + 5), n)  # blocks in no particular order
-    k_pool = torch.randn(n + 5, block_size, H_kv, D, generator=g) * 3  # sharp scores: a real softmax test
-    v_pool = torch.randn(n + 5, block_size, H_kv, D, generator=g)
-    q = torch.randn(groups * H_kv, D, generator=g)
+    k_pool = torch.randn(n + 5, block_size, H_kv, D, generator=g).to(device) * 3  # sharp scores: a real softmax test
+    v_pool = torch.randn(n + 5, block_size, H_kv, D, generator=g).to(device)
+    q = torch.randn(groups * H_kv, D, generator=g).to(device)
     got = paged_attention_loop(q, k_pool, v_pool, table, length)
-    k = gather(k_pool, torch.tensor([table]), length)  # (1, H_kv, length, D)
-    v = gather(v_pool, torch.tensor([table]), length)
+    k = gather(k_pool, torch.tensor([table], device=device), length)  # (1, H_kv, length, D)
+    v = gather(v_pool, torch.tensor([table], device=device), length)
     want = grouped_attention(q[None, :, None], k, v)[0, :, 0]  # (H, D): one query sees every key
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_paged_attention_loop_rejects_bad_input():
-    pool = torch.zeros(4, 2, 2, 3)
+def test_paged_attention_loop_rejects_bad_input(device):
+    pool = torch.zeros(4, 2, 2, 3, device=device)
     with pytest.raises(ValueError, match="need q"):
-        paged_attention_loop(torch.zeros(4, 5), pool, pool, [0], 1)
+        paged_attention_loop(torch.zeros(4, 5, device=device), pool, pool, [0], 1)
     with pytest.raises(ValueError, match="cannot share 2 KV heads"):
-        paged_attention_loop(torch.zeros(3, 3), pool, pool, [0], 1)
+        paged_attention_loop(torch.zeros(3, 3, device=device), pool, pool, [0], 1)
     with pytest.raises(ValueError, match="does not fit a table of 2 blocks of 2"):
-        paged_attention_loop(torch.zeros(4, 3), pool, pool, [0, 1], 5)
+        paged_attention_loop(torch.zeros(4, 3, device=device), pool, pool, [0, 1], 5)
 
 
-def test_gather_rejects_bad_shapes():
-    pool = torch.zeros(4, 2, 1, 3)
+def test_gather_rejects_bad_shapes(device):
+    pool = torch.zeros(4, 2, 1, 3, device=device)
     with pytest.raises(ValueError, match="pool must be"):
-        gather(pool[0], torch.zeros(1, 1, dtype=torch.long), 1)
+        gather(pool[0], torch.zeros(1, 1, dtype=torch.long, device=device), 1)
     with pytest.raises(ValueError, match="block_tables must be"):
-        gather(pool, torch.zeros(3, dtype=torch.long), 1)
+        gather(pool, torch.zeros(3, dtype=torch.long, device=device), 1)
     with pytest.raises(ValueError, match="does not fit 2 blocks of 2"):
-        gather(pool, torch.zeros(1, 2, dtype=torch.long), 5)
+        gather(pool, torch.zeros(1, 2, dtype=torch.long, device=device), 5)
 
 
 # -- copy-on-write ----------------------------------------------------------------------------------------
@@ -510,27 +512,27 @@ def test_an_unfinished_step_then_fork_shares_nothing_unwritten():
     cache.check()
 
 
-def test_a_stale_batch_refuses_to_write():
+def test_a_stale_batch_refuses_to_write(device):
     cache = PagedCache(1, 1, 1, num_blocks=8, block_size=2, prefix_caching=False)
     a = start(cache, [1, 2, 3])
     stale = cache.step([a], [[4]])
     other = start(cache, [9])  # the tables changed after `stale` was made
     with pytest.raises(ValueError, match="stale"):
-        stale.update(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1), 0)
+        stale.update(torch.ones(1, 1, 1, 1, device=device), torch.ones(1, 1, 1, 1, device=device), 0)
     cache.free(a)
     assert_holds(cache, other)
     cache.check()
 
 
-def test_a_step_commits_only_when_every_layer_is_written_and_commit_is_called():
+def test_a_step_commits_only_when_every_layer_is_written_and_commit_is_called(device):
     cache = PagedCache(2, 1, 1, num_blocks=4, block_size=2)
     a, _ = cache.add()
     batch = cache.step([a], [[1, 2]])
-    batch.update(torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1), 1)  # the last layer first
+    batch.update(torch.ones(1, 1, 2, 1, device=device), torch.ones(1, 1, 2, 1, device=device), 1)  # the last layer first
     with pytest.raises(ValueError, match=r"layers \[0\] were never written"):
         batch.commit()
     assert cache.num_tokens(a) == 0 and cache.block_table(a) == [] and cache.allocator.num_used == 0
-    batch.update(torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1), 0)
+    batch.update(torch.ones(1, 1, 2, 1, device=device), torch.ones(1, 1, 2, 1, device=device), 0)
     assert cache.num_tokens(a) == 0 and cache.allocator.num_used == 0  # every layer ran, nothing stored yet
     with pytest.raises(ValueError, match="never committed"):
         cache.fork(a)  # a finished but uncommitted step is not silently lost
@@ -540,13 +542,13 @@ def test_a_step_commits_only_when_every_layer_is_written_and_commit_is_called():
         batch.commit()
 
 
-def test_a_forward_that_raises_halfway_leaves_the_cache_as_it_was(tiny):
+def test_a_forward_that_raises_halfway_leaves_the_cache_as_it_was(tiny, device):
     """The model fails in its second layer, inside the step's `with` block: no block is
     reserved or copied, nothing is written or sealed, and the next step works."""
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     a, _ = cache.add()
-    with cache.step([a], torch.tensor([[1, 2, 3, 4, 5, 6]])) as batch:
-        tiny(torch.tensor([[1, 2, 3, 4, 5, 6]]), batch)
+    with cache.step([a], torch.tensor([[1, 2, 3, 4, 5, 6]], device=device)) as batch:
+        tiny(torch.tensor([[1, 2, 3, 4, 5, 6]], device=device), batch)
     b = cache.fork(a)  # shares a partial block: the next write to it must copy
     before = ([cache.block_table(s) for s in (a, b)], cache.allocator.free_order(), cache.copies,
               [cache.layer_kv(a, layer) for layer in range(2)], cache.allocator.hits, cache.version)
@@ -555,8 +557,8 @@ def test_a_forward_that_raises_halfway_leaves_the_cache_as_it_was(tiny):
     tiny.layers[1].forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("layer 1 failed"))
     try:
         with pytest.raises(RuntimeError, match="layer 1 failed"):
-            with cache.step([a, b], torch.tensor([[7, 8, 9], [7, 8, 9]])) as batch:
-                tiny(torch.tensor([[7, 8, 9], [7, 8, 9]]), batch)
+            with cache.step([a, b], torch.tensor([[7, 8, 9], [7, 8, 9]], device=device)) as batch:
+                tiny(torch.tensor([[7, 8, 9], [7, 8, 9]], device=device), batch)
     finally:
         tiny.layers[1].forward = real
     after = ([cache.block_table(s) for s in (a, b)], cache.allocator.free_order(), cache.copies,
@@ -566,11 +568,11 @@ def test_a_forward_that_raises_halfway_leaves_the_cache_as_it_was(tiny):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     assert all(torch.equal(p, q) for p, q in zip(pools, cache.keys + cache.values))  # not one byte written
     cache.check()
-    with cache.step([a], torch.tensor([[7]])) as batch:  # and the cache works on
-        got = tiny(torch.tensor([[7]]), batch)[0, -1]
+    with cache.step([a], torch.tensor([[7]], device=device)) as batch:  # and the cache works on
+        got = tiny(torch.tensor([[7]], device=device), batch)[0, -1]
     ref = DynamicCache(2)
-    tiny(torch.tensor([[1, 2, 3, 4, 5, 6]]), ref)
-    torch.testing.assert_close(got, tiny(torch.tensor([[7]]), ref)[0, -1], rtol=1e-5, atol=1e-5)
+    tiny(torch.tensor([[1, 2, 3, 4, 5, 6]], device=device), ref)
+    torch.testing.assert_close(got, tiny(torch.tensor([[7]], device=device), ref)[0, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_duplicate_prefix_blocks_stay_findable_after_one_is_evicted():
@@ -589,7 +591,7 @@ def test_duplicate_prefix_blocks_stay_findable_after_one_is_evicted():
 
 
 # -- bad inputs ---------------------------------------------------------------------------------------------------
-def test_bad_inputs_to_the_cache():
+def test_bad_inputs_to_the_cache(device):
     cache = PagedCache(2, 1, 2, num_blocks=8, block_size=2)
     a = start(cache, [1, 2, 3])
     with pytest.raises(IndexError, match="no sequence 9"):
@@ -603,19 +605,19 @@ def test_bad_inputs_to_the_cache():
     with pytest.raises(ValueError, match="at least one sequence"):
         cache.step([], [])
     with pytest.raises(TypeError, match="tokens must be int ids, got torch.float32"):
-        cache.step([a], torch.ones(1, 1))
+        cache.step([a], torch.ones(1, 1, device=device))
     with pytest.raises(TypeError, match="int ids"):
         cache.step([a], [[1.5]])
     batch = cache.step([a], [[4]])
     with pytest.raises(ValueError, match="reserved 1 tokens per sequence but update got 2"):
-        batch.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), 0)
+        batch.update(torch.zeros(1, 1, 2, 2, device=device), torch.zeros(1, 1, 2, 2, device=device), 0)
     with pytest.raises(ValueError, match="kv_heads=1 but update"):
-        batch.update(torch.zeros(1, 3, 1, 2), torch.zeros(1, 3, 1, 2), 0)
+        batch.update(torch.zeros(1, 3, 1, 2, device=device), torch.zeros(1, 3, 1, 2, device=device), 0)
     with pytest.raises(IndexError, match="out of range"):
-        batch.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 5)
-    batch.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 0)
+        batch.update(torch.zeros(1, 1, 1, 2, device=device), torch.zeros(1, 1, 1, 2, device=device), 5)
+    batch.update(torch.zeros(1, 1, 1, 2, device=device), torch.zeros(1, 1, 1, 2, device=device), 0)
     with pytest.raises(ValueError, match="layer 0 was already written"):
-        batch.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 0)
+        batch.update(torch.zeros(1, 1, 1, 2, device=device), torch.zeros(1, 1, 1, 2, device=device), 0)
     with pytest.raises(ValueError, match="positive int"):
         PagedCache(2, 1, 2, num_blocks=0)
     with pytest.raises(TypeError, match="dtype"):
@@ -623,7 +625,7 @@ def test_bad_inputs_to_the_cache():
 
 
 def test_bad_inputs_to_the_engine(tiny):
-    cache = PagedCache.for_model(tiny.config, num_blocks=8, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=8, block_size=4)
     eng = Engine(tiny, cache)
     with pytest.raises(ValueError, match="non-empty prompt"):
         eng.add([], 4)
@@ -646,23 +648,23 @@ def test_bad_inputs_to_the_engine(tiny):
         Engine(tiny, PagedCache(3, 2, 8, num_blocks=4))
 
 
-def test_model_checks_an_explicit_mask(tiny):
-    ids = torch.tensor([[1, 2, 3]])
+def test_model_checks_an_explicit_mask(tiny, device):
+    ids = torch.tensor([[1, 2, 3]], device=device)
     with pytest.raises(ValueError, match=r"mask must be bool \(1 or 1, 1, 3, 3\)"):
-        tiny(ids, mask=torch.ones(1, 1, 3, 4, dtype=torch.bool))
+        tiny(ids, mask=torch.ones(1, 1, 3, 4, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match="either mask or key_valid"):
-        tiny(ids, mask=torch.ones(1, 1, 3, 3, dtype=torch.bool), key_valid=torch.ones(1, 3, dtype=torch.bool))
-    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+        tiny(ids, mask=torch.ones(1, 1, 3, 3, dtype=torch.bool, device=device), key_valid=torch.ones(1, 3, dtype=torch.bool, device=device))
+    causal = torch.ones(3, 3, dtype=torch.bool, device=device).tril()[None, None]
     torch.testing.assert_close(tiny(ids, mask=causal), tiny(ids), rtol=0, atol=1e-6)
 
 
 # -- through a model -------------------------------------------------------------------------------------------
-def test_paged_batch_logits_equal_contiguous_cache(tiny):
+def test_paged_batch_logits_equal_contiguous_cache(tiny, device):
     """Three sequences of different lengths, decoded together through one PagedBatch,
     give the logits each gets alone with a DynamicCache."""
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 50, (1, n), generator=g) for n in (3, 9, 6)]
-    cache = PagedCache.for_model(tiny.config, num_blocks=32, block_size=4)
+    prompts = [torch.randint(0, 50, (1, n), generator=g).to(device) for n in (3, 9, 6)]
+    cache = PagedCache.for_model(tiny, num_blocks=32, block_size=4)
     sids, refs = [], []
     for p in prompts:
         sid, _ = cache.add(p[0].tolist())
@@ -673,27 +675,27 @@ def test_paged_batch_logits_equal_contiguous_cache(tiny):
         sids.append(sid)
         refs.append(ref_cache)
     for step in range(3):
-        new = torch.randint(0, 50, (3, 1), generator=g)
+        new = torch.randint(0, 50, (3, 1), generator=g).to(device)
         with cache.step(sids, new) as b:  # ragged: 3, 9 and 6 tokens held, T = 1
             got = tiny(new, b)[:, -1]  # (3, vocab), no positions= or mask= needed
         for i, rc in enumerate(refs):
             torch.testing.assert_close(got[i], tiny(new[i : i + 1], rc)[0, -1], rtol=1e-5, atol=1e-5)
     # a ragged multi-token step: two new tokens each after different lengths
-    new = torch.randint(0, 50, (3, 2), generator=g)
+    new = torch.randint(0, 50, (3, 2), generator=g).to(device)
     with cache.step(sids, new) as b:
         got = tiny(new, b)
     for i, rc in enumerate(refs):
         torch.testing.assert_close(got[i], tiny(new[i : i + 1], rc)[0], rtol=1e-5, atol=1e-5)
     # explicit arguments still win, and are checked against the step's shape
-    new = torch.randint(0, 50, (3, 1), generator=g)
+    new = torch.randint(0, 50, (3, 1), generator=g).to(device)
     with cache.step(sids, new) as b:
         got = tiny(new, b, positions=b.positions(), mask=b.mask())[:, -1]
     for i, rc in enumerate(refs):
         torch.testing.assert_close(got[i], tiny(new[i : i + 1], rc)[0, -1], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"mask must be bool \(3 or 1, 1, 1, 16\)"):
-        tiny(new, cache.step(sids, new), mask=torch.ones(3, 1, 1, 4, dtype=torch.bool))
+        tiny(new, cache.step(sids, new), mask=torch.ones(3, 1, 1, 4, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match=r"positions must be \(B, T\)=\(3, 1\)"):
-        tiny(new, cache.step(sids, new), positions=torch.zeros(2, 1, dtype=torch.long))
+        tiny(new, cache.step(sids, new), positions=torch.zeros(2, 1, dtype=torch.long, device=device))
     cache.check()
 
 
@@ -704,11 +706,11 @@ PACKED_TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the same sums in other shapes r
 def _filled(tiny, lengths, seed=0, num_blocks=32, block_size=4):
     """A cache (its free list scrambled) holding prompts of ``lengths``, and a DynamicCache per prompt."""
     g = torch.Generator().manual_seed(seed)
-    cache = PagedCache.for_model(tiny.config, num_blocks=num_blocks, block_size=block_size)
+    cache = PagedCache.for_model(tiny, num_blocks=num_blocks, block_size=block_size)  # on the model's device
     cache.allocator.reorder_free(random.Random(seed).sample(range(num_blocks), num_blocks))
     sids, refs = [], []
     for n in lengths:
-        p = torch.randint(0, 50, (1, n), generator=g)
+        p = torch.randint(0, 50, (1, n), generator=g).to(tiny.device)
         sid, _ = cache.add(p[0].tolist())
         with cache.step([sid], p) as b:
             tiny(p, b)
@@ -719,14 +721,14 @@ def _filled(tiny, lengths, seed=0, num_blocks=32, block_size=4):
     return cache, sids, refs
 
 
-def test_packed_paged_step_equals_contiguous_attention_and_the_rectangular_step(tiny):
+def test_packed_paged_step_equals_contiguous_attention_and_the_rectangular_step(tiny, device):
     """Sequences holding 3, 9 and 6 tokens bring 1, 4 and 2 new ones (a decode token and two
     prompt chunks) in ONE packed forward ``(1, 7)``: each sequence's logits and stored K/V equal
     a DynamicCache's for it alone. Then a decode step for all three, packed, equals the
     rectangular PagedBatch's on the same cache. Tolerance: PACKED_TOL (fp32, rtol = atol = 1e-5)."""
     cache, sids, refs = _filled(tiny, (3, 9, 6))
     rows = [[7], [1, 2, 3, 4], [5, 6]]
-    ids = torch.tensor([[t for r in rows for t in r]])  # (1, 7): no pad anywhere
+    ids = torch.tensor([[t for r in rows for t in r]], device=device)  # (1, 7): no pad anywhere
     with cache.step(sids, rows, packed=True) as b:
         assert b.positions().tolist() == [[3, 9, 10, 11, 12, 6, 7]]  # each continues from its own length
         assert b.cu_seqlens_q.tolist() == [0, 1, 5, 7] and b.cu_seqlens_k.tolist() == [0, 4, 17, 25]
@@ -735,34 +737,34 @@ def test_packed_paged_step_equals_contiguous_attention_and_the_rectangular_step(
         got = tiny(ids, b)[0]  # (7, vocab); the batch supplies positions and mask
     starts = [0, 1, 5]
     for r, rc, s0, sid in zip(rows, refs, starts, sids):
-        torch.testing.assert_close(got[s0 : s0 + len(r)], tiny(torch.tensor([r]), rc)[0], **PACKED_TOL)
+        torch.testing.assert_close(got[s0 : s0 + len(r)], tiny(torch.tensor([r], device=device), rc)[0], **PACKED_TOL)
         for layer in range(2):
             torch.testing.assert_close(cache.layer_kv(sid, layer), rc.layer_kv(layer), **PACKED_TOL)
     new = [[11], [12], [13]]
     with cache.step(sids, new) as b:  # rectangular (3, 1)
-        rect = tiny(torch.tensor(new), b)[:, -1]  # (3, vocab)
+        rect = tiny(torch.tensor(new, device=device), b)[:, -1]  # (3, vocab)
     for sid in sids:
         cache.truncate(sid, cache.num_tokens(sid) - 1)  # roll the step back, and run it packed
     with cache.step(sids, new, packed=True) as b:
-        packed = tiny(torch.tensor([[11, 12, 13]]), b, logits_at=[0, 1, 2])[0]  # (3, vocab)
+        packed = tiny(torch.tensor([[11, 12, 13]], device=device), b, logits_at=[0, 1, 2])[0]  # (3, vocab)
     torch.testing.assert_close(packed, rect, **PACKED_TOL)
     cache.check()
 
 
-def test_a_packed_row_may_hold_more_tokens_than_max_seq_len(tiny):
+def test_a_packed_row_may_hold_more_tokens_than_max_seq_len(tiny, device):
     """max_seq_len bounds each sequence, not the packed row: three sequences of 60 hold 180 keys."""
     cache, sids, refs = _filled(tiny, (59, 59, 59), num_blocks=64, block_size=16)
     with cache.step(sids, [[1], [2], [3]], packed=True) as b:
         assert b.get_seq_length() == 177 > tiny.config.max_seq_len
-        got = tiny(torch.tensor([[1, 2, 3]]), b)[0]
+        got = tiny(torch.tensor([[1, 2, 3]], device=device), b)[0]
     for i, rc in enumerate(refs):
-        torch.testing.assert_close(got[i], tiny(torch.tensor([[i + 1]]), rc)[0, -1], **PACKED_TOL)
+        torch.testing.assert_close(got[i], tiny(torch.tensor([[i + 1]], device=device), rc)[0, -1], **PACKED_TOL)
     cache, sids, _ = _filled(tiny, (120, 5), num_blocks=64, block_size=16)
     with pytest.raises(ValueError, match="a sequence of 130 tokens exceeds max_seq_len=128"):
-        tiny(torch.tensor([[1] * 10 + [2]]), cache.step(sids, [[1] * 10, [2]], packed=True))
+        tiny(torch.tensor([[1] * 10 + [2]], device=device), cache.step(sids, [[1] * 10, [2]], packed=True))
 
 
-def test_a_packed_step_writes_each_sequence_its_own_number_of_tokens():
+def test_a_packed_step_writes_each_sequence_its_own_number_of_tokens(device):
     """One packed step appends 1, 3, 5 and 2 tokens to four sequences (one empty, one a fork
     sharing a partial block): each reads back exactly its tokens' K/V through its table, the
     fork's shared block is copied once, and the step takes exactly blocks_needed blocks."""
@@ -774,7 +776,7 @@ def test_a_packed_step_writes_each_sequence_its_own_number_of_tokens():
     before = {s: cache.tokens(s) for s in sids}
     need, free = cache.blocks_needed(sids, [1, 3, 5, 2]), cache.allocator.num_free
     vals = [prefix_values(before[s] + r)[-len(r):] for s, r in zip(sids, rows)]
-    k = torch.tensor([v for vs in vals for v in vs]).view(1, 1, -1, 1).expand(1, 2, 11, 3).contiguous()
+    k = torch.tensor([v for vs in vals for v in vs], device=device).view(1, 1, -1, 1).expand(1, 2, 11, 3).contiguous()
     with cache.step(sids, rows, packed=True) as batch:
         for layer in range(2):
             batch.update(k, -k, layer)
@@ -786,7 +788,7 @@ def test_a_packed_step_writes_each_sequence_its_own_number_of_tokens():
     cache.check()
 
 
-def test_a_refused_packed_step_changes_nothing(tiny):
+def test_a_refused_packed_step_changes_nothing(tiny, device):
     """OutOfBlocks at step(), a forward that fails in its second layer, an incomplete commit,
     a second commit and a stale batch: the tables, the free list and every pool byte stay."""
     cache, sids, _ = _filled(tiny, (3, 9), num_blocks=6, block_size=4)  # 4 blocks held, 2 free
@@ -809,12 +811,12 @@ def test_a_refused_packed_step_changes_nothing(tiny):
     try:
         with pytest.raises(RuntimeError, match="layer 1 failed"):
             with cache.step(sids, [[1], [2], [5]], packed=True) as batch:
-                tiny(torch.tensor([[1, 2, 5]]), batch)
+                tiny(torch.tensor([[1, 2, 5]], device=device), batch)
     finally:
         tiny.layers[1].forward = real
     assert same(state(), before)
     batch = cache.step(sids, [[1], [2], [5]], packed=True)
-    batch.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8), 1)
+    batch.update(torch.ones(1, 2, 3, 8, device=device), torch.ones(1, 2, 3, 8, device=device), 1)
     with pytest.raises(ValueError, match=r"layers \[0\] were never written"):
         batch.commit()
     assert same(state(), before)
@@ -822,16 +824,16 @@ def test_a_refused_packed_step_changes_nothing(tiny):
     cache.fork(sids[1])  # the tables change after it was made
     before = state()
     with pytest.raises(ValueError, match="PackedPagedBatch is stale"):
-        stale.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8), 0)
+        stale.update(torch.ones(1, 2, 3, 8, device=device), torch.ones(1, 2, 3, 8, device=device), 0)
     assert same(state(), before)
     with cache.step(sids, [[1], [2], [5]], packed=True) as batch:
-        tiny(torch.tensor([[1, 2, 5]]), batch)
+        tiny(torch.tensor([[1, 2, 5]], device=device), batch)
     with pytest.raises(ValueError, match="PackedPagedBatch was already committed"):
         batch.commit()
     cache.check()
 
 
-def test_bad_inputs_to_a_packed_step(tiny):
+def test_bad_inputs_to_a_packed_step(tiny, device):
     cache, (a, b), _ = _filled(tiny, (3, 5))
     with pytest.raises(ValueError, match=r"one non-empty token list per sequence \(2\), got lengths \[1, 0\]"):
         cache.step([a, b], [[1], []], packed=True)
@@ -848,23 +850,23 @@ def test_bad_inputs_to_a_packed_step(tiny):
     batch = cache.step([a, b], [[1], [2, 3]], packed=True)
     with pytest.raises(ValueError, match=r"holds 3 new tokens \(\[1, 2\] per sequence\) as one row \(1, 3\), "
                                          r"got tokens of shape \(2, 2\)"):
-        tiny(torch.tensor([[1, 2], [2, 3]]), batch)
+        tiny(torch.tensor([[1, 2], [2, 3]], device=device), batch)
     with pytest.raises(ValueError, match=r"holds 3 new tokens \(\[1, 2\] per sequence\) but update got 2"):
-        batch.update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), 0)
+        batch.update(torch.zeros(1, 2, 2, 8, device=device), torch.zeros(1, 2, 2, 8, device=device), 0)
     with pytest.raises(ValueError, match="batch=1 but update"):
-        batch.update(torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8), 0)
+        batch.update(torch.zeros(2, 2, 3, 8, device=device), torch.zeros(2, 2, 3, 8, device=device), 0)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_blocks", [None, "tight"])
-def test_engine_tokens_equal_generate(tiny, block_size, num_blocks):
+def test_engine_tokens_equal_generate(tiny, block_size, num_blocks, device):
     """Greedy tokens from the batched paged engine equal kvlib.generate run on each prompt
     alone, with a roomy pool and with one so tight that sequences are preempted."""
     rng = random.Random(block_size)
     prompts = [[rng.randrange(50) for _ in range(n)] for n in (5, 17, 33, 8, 2)]
-    ref = [kvlib.generate(tiny, torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist() for p in prompts]
+    ref = [kvlib.generate(tiny, torch.tensor([p], device=device), max_new_tokens=12)[0, len(p):].tolist() for p in prompts]
     blocks = 400 // block_size if num_blocks is None else -(-45 // block_size) + 1  # the longest needs 45 slots
-    cache = PagedCache.for_model(tiny.config, num_blocks=blocks, block_size=block_size)
+    cache = PagedCache.for_model(tiny, num_blocks=blocks, block_size=block_size)
     eng = Engine(tiny, cache)
     for p in prompts:
         eng.add(p, 12)
@@ -879,7 +881,7 @@ def test_engine_tokens_equal_generate(tiny, block_size, num_blocks):
 
 def test_engine_parallel_sampling_shares_the_prompt(tiny):
     prompt = list(range(1, 31))  # 30 tokens: 7 full blocks of 4 and a partial one
-    cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=64, block_size=4)
     eng = Engine(tiny, cache, generator=torch.Generator().manual_seed(0))
     eng.add(prompt, 6, n=4, temperature=1.0)
     eng.step()  # prefill once and fork
@@ -891,31 +893,31 @@ def test_engine_parallel_sampling_shares_the_prompt(tiny):
     assert cache.copies == 3  # three forks copied the shared partial block; the last writer kept it
 
 
-def test_engine_greedy_forks_stay_identical(tiny):
+def test_engine_greedy_forks_stay_identical(tiny, device):
     """Four greedy samples share a prompt copy-on-write; if one fork's writes leaked into
     another's blocks, their tokens would drift apart from plain generation."""
     prompt = list(range(1, 31))
-    ref = kvlib.generate(tiny, torch.tensor([prompt]), max_new_tokens=10)[0, 30:].tolist()
-    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=64, block_size=4))
+    ref = kvlib.generate(tiny, torch.tensor([prompt], device=device), max_new_tokens=10)[0, 30:].tolist()
+    eng = Engine(tiny, PagedCache.for_model(tiny, num_blocks=64, block_size=4))
     eng.add(prompt, 10, n=4)
     assert eng.run()[0] == [ref] * 4
 
 
-def test_engine_reuses_a_shared_system_prompt(tiny):
+def test_engine_reuses_a_shared_system_prompt(tiny, device):
     system = list(range(1, 33))  # 32 tokens = 8 full blocks of 4
-    cache = PagedCache.for_model(tiny.config, num_blocks=64, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=64, block_size=4)
     eng = Engine(tiny, cache)
     for q in ([40, 41], [42, 43, 44], [45]):
         eng.add(system + q, 4)
     out = eng.run()
     assert eng.stats.cached_tokens == 2 * 32  # the second and third requests skip the system prompt
     for i, q in enumerate(([40, 41], [42, 43, 44], [45])):
-        ids = torch.tensor([system + q])
+        ids = torch.tensor([system + q], device=device)
         assert out[i][0] == kvlib.generate(tiny, ids, max_new_tokens=4)[0, ids.shape[1]:].tolist()
 
 
-def test_engine_requeues_a_request_whose_prefill_fails(tiny):
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+def test_engine_requeues_a_request_whose_prefill_fails(tiny, device):
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     eng = Engine(tiny, cache)
     eng.add([1, 2, 3, 4, 5], 3)
     real = tiny.forward
@@ -926,7 +928,7 @@ def test_engine_requeues_a_request_whose_prefill_fails(tiny):
     finally:
         del tiny.forward  # back to the class's forward
     assert len(eng.scheduler.waiting) == 1 and not cache.seqs and cache.allocator.num_used == 0
-    ref = kvlib.generate(tiny, torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=3)[0, 5:].tolist()
+    ref = kvlib.generate(tiny, torch.tensor([[1, 2, 3, 4, 5]], device=device), max_new_tokens=3)[0, 5:].tolist()
     assert eng.run()[0][0] == ref
 
 
@@ -934,7 +936,7 @@ def test_engine_sampling_under_preemption_and_stop_tokens(tiny):
     """n > 1, temperature > 0, a tight pool, stop tokens, prefix caching on and off: every
     request finishes, nothing leaks, and the bookkeeping stays consistent."""
     for prefix in (True, False):
-        cache = PagedCache.for_model(tiny.config, num_blocks=12, block_size=2, prefix_caching=prefix)
+        cache = PagedCache.for_model(tiny, num_blocks=12, block_size=2, prefix_caching=prefix)
         eng = Engine(tiny, cache, stop=[0, 1], generator=torch.Generator().manual_seed(1), max_batch=6)
         rng = random.Random(0)
         for _ in range(6):
@@ -951,24 +953,25 @@ def test_engine_sampling_under_preemption_and_stop_tokens(tiny):
         assert cache.allocator.num_used == 0 and eng.stats.preemptions > 0
 
 
-def test_engine_stop_token(tiny):
+def test_engine_stop_token(tiny, device):
     prompt = [3, 1, 4, 1, 5]
-    ref = kvlib.generate(tiny, torch.tensor([prompt]), max_new_tokens=10)[0, 5:].tolist()
+    ref = kvlib.generate(tiny, torch.tensor([prompt], device=device), max_new_tokens=10)[0, 5:].tolist()
     stop = ref[3]
-    eng = Engine(tiny, PagedCache.for_model(tiny.config, num_blocks=16, block_size=4), stop=[stop])
+    eng = Engine(tiny, PagedCache.for_model(tiny, num_blocks=16, block_size=4), stop=[stop])
     eng.add(prompt, 10)
     got = eng.run()[0][0]
     assert got == ref[: ref.index(stop) + 1]
 
 
-def test_engine_on_smollm2_matches_generate(smollm2):
+@pytest.mark.cpu_only("needs SmolLM2's weights (the GGUF), which the GPU machine lacks")
+def test_engine_on_smollm2_matches_generate(smollm2, device):
     """The real model: three prompts of different lengths decoded in one batch over 16-token
     blocks give exactly the tokens kvlib.generate gives each prompt alone."""
     model, tok = smollm2
     texts = ["The capital of France is", "Water boils at a temperature of one hundred", "1, 2, 3,"]
     prompts = [tok.encode(t) for t in texts]
-    ref = [kvlib.generate(model, torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist() for p in prompts]
-    cache = PagedCache.for_model(model.config, num_blocks=16, block_size=16)
+    ref = [kvlib.generate(model, torch.tensor([p], device=device), max_new_tokens=8)[0, len(p):].tolist() for p in prompts]
+    cache = PagedCache.for_model(model, num_blocks=16, block_size=16, device=device)
     eng = Engine(model, cache)
     for p in prompts:
         eng.add(p, 8)
@@ -979,12 +982,12 @@ def test_engine_on_smollm2_matches_generate(smollm2):
 
 # -- issue 45: commit inside `with`, the copy-on-write bytes, for_model, no import cycle -----------------
 @torch.inference_mode()
-def test_commit_inside_the_with_block_stores_the_step_once(tiny):
+def test_commit_inside_the_with_block_stores_the_step_once(tiny, device):
     """0.4: batch.commit() inside `with` stored the step, then the `with`'s exit raised "already
     committed", so a caller who retried appended the tokens twice."""
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     a, _ = cache.add()
-    ids = torch.tensor([[1, 2, 3]])
+    ids = torch.tensor([[1, 2, 3]], device=device)
     with cache.step([a], ids) as batch:
         tiny(ids, batch)
         batch.commit()  # allowed: the end of the block stores nothing more
@@ -994,18 +997,18 @@ def test_commit_inside_the_with_block_stores_the_step_once(tiny):
     with pytest.raises(ValueError, match="already committed"):
         batch.commit()  # and never twice
     assert cache.tokens(a) == [1, 2, 3]
-    with cache.step([a], torch.tensor([[4]])) as batch:  # the cache goes on
-        tiny(torch.tensor([[4]]), batch)
+    with cache.step([a], torch.tensor([[4]], device=device)) as batch:  # the cache goes on
+        tiny(torch.tensor([[4]], device=device), batch)
     assert cache.tokens(a) == [1, 2, 3, 4]
 
 
 @torch.inference_mode()
-def test_an_error_after_a_commit_inside_the_block_keeps_the_stored_step(tiny):
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+def test_an_error_after_a_commit_inside_the_block_keeps_the_stored_step(tiny, device):
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     a, _ = cache.add()
     with pytest.raises(RuntimeError, match="after the commit"):
         with cache.step([a], [[1, 2]]) as batch:
-            tiny(torch.tensor([[1, 2]]), batch)
+            tiny(torch.tensor([[1, 2]], device=device), batch)
             batch.commit()
             raise RuntimeError("after the commit")
     assert cache.tokens(a) == [1, 2] and cache.open_step is None
@@ -1014,15 +1017,15 @@ def test_an_error_after_a_commit_inside_the_block_keeps_the_stored_step(tiny):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("packed", [False, True])
-def test_bytes_written_counts_the_copy_on_write_block(tiny, packed):
+def test_bytes_written_counts_the_copy_on_write_block(tiny, packed, device):
     """0.4: a step that wrote into a shared block reported only its new K/V: the block copy
     (block_size slots of every layer, keys and values) was missing from bytes_written."""
-    cache = PagedCache.for_model(tiny.config, num_blocks=16, block_size=4)
+    cache = PagedCache.for_model(tiny, num_blocks=16, block_size=4)
     a, _ = cache.add()
     with cache.step([a], [[1, 2, 3, 4, 5, 6]]) as batch:
-        tiny(torch.tensor([[1, 2, 3, 4, 5, 6]]), batch)
+        tiny(torch.tensor([[1, 2, 3, 4, 5, 6]], device=device), batch)
     b = cache.fork(a)  # shares the partial block 1: b's next token copies it
-    ids = torch.tensor([[7]])
+    ids = torch.tensor([[7]], device=device)
     with cache.step([b], [[7]], packed=packed) as batch:
         tiny(ids, batch)
     cfg = tiny.config
@@ -1034,12 +1037,12 @@ def test_bytes_written_counts_the_copy_on_write_block(tiny, packed):
     assert cache.copies == 1 and batch.bytes_written == new_kv
 
 
-def test_for_model_takes_a_model_or_a_config_and_follows_the_models_dtype():
+def test_for_model_takes_a_model_or_a_config_and_follows_the_models_dtype(device):
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=64)
     model = Transformer(cfg, dtype=torch.bfloat16)
     from_model = PagedCache.for_model(model, num_blocks=4, block_size=4)
     assert from_model.dtype == torch.bfloat16 and from_model.device == model.device
-    assert PagedCache.for_model(cfg, num_blocks=4).dtype == torch.float32  # a config: fp32 on the CPU
+    assert PagedCache.for_model(cfg, num_blocks=4, device=device).dtype == torch.float32  # a config: fp32 on the CPU
     assert PagedCache.for_model(model, 4, dtype=torch.float16, prefix_caching=False).dtype == torch.float16
     assert (from_model.n_layer, from_model.n_kv_head, from_model.head_dim) == (2, 2, 8)
     with pytest.raises(TypeError, match="Transformer or a kvlib.ModelConfig"):

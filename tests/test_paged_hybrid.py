@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from kvlib.layers import chunked, full, latent, repeat, shared, visible, window
 from kvlib.paged import HybridBlockPool, OutOfBlocks, PagedCache, blocks_held, kv_groups
 
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 # -- brute force --------------------------------------------------------------------------------
 def brute_held(kind, n: int, bs: int) -> set[int]:

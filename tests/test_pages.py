@@ -18,6 +18,8 @@ import pytest
 
 from test_book import without_magics
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "book").glob("*.ipynb"))
 MAX_WORDS = 4_500

@@ -10,6 +10,8 @@ import torch  # noqa: E402
 import kvbook  # noqa: E402
 from kvbook.plot import plain_ticks, subplots  # noqa: E402
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 
 @pytest.fixture(autouse=True)
 def close_figures():

@@ -22,6 +22,8 @@ from kvbook.pool import event_text, pool_explorer, step_text
 from kvbook.pooltrace import check_trace, load, state_at
 from test_site import browser  # noqa: F401  (the fixture: Debian's Chromium)
 
+pytestmark = pytest.mark.cpu_only("drives Chromium over the built site")
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 KVLIB, VLLM = DATA / "pool-trace-kvlib.json", DATA / "pool-trace-vllm.json"

@@ -10,7 +10,8 @@ from kvlib.model import Linear
 from kvlib.prepack import PackedLinear, available, onednn_trace, prepack_weights
 from kvlib.wquant import stored_bytes
 
-pytestmark = pytest.mark.skipif(not available(), reason="bf16 weights cannot be packed here (kvlib.prepack.available())")
+pytestmark = [pytest.mark.cpu_only("about the CPU: threads, AMX, oneDNN"),
+              pytest.mark.skipif(not available(), reason="bf16 weights cannot be packed here (kvlib.prepack.available())")]
 
 BF16 = torch.bfloat16
 # One bf16 product against the fp32 product of the same bf16 numbers: the output is rounded

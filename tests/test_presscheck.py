@@ -15,6 +15,8 @@ from kvpresscheck import compare as cmp
 from kvpresscheck import kvpress_python, load_record, reference as ref, table, workload
 from kvpresscheck.kvlib_side import greedy_after, kvlib_runs, reference_runs
 
+pytestmark = pytest.mark.cpu_only("runs vLLM/kvpress records (vllmcheck, kvpresscheck)")
+
 
 @pytest.fixture(scope="module")
 def record():

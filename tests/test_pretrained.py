@@ -6,6 +6,8 @@ import torch
 import kvlib
 from kvlib import pretrained
 
+pytestmark = pytest.mark.cpu_only("needs SmolLM2's weights (the GGUF), which the GPU machine lacks")
+
 
 def test_missing_wheel_names_the_pip_command(monkeypatch):
     real = importlib.util.find_spec

@@ -9,6 +9,8 @@ import pytest
 from kvlib.paged import BlockAllocator
 from kvlib.radix import CacheFull, Match, RadixCache, prefix_hits
 
+pytestmark = pytest.mark.cpu_only("pure Python: formulas, tables and simulations with no tensors on a device")
+
 
 # -- the reference: every cached prefix, explicitly -----------------------------------------------
 class Reference:

@@ -15,6 +15,8 @@ import yaml
 
 from kvbook.reader import bib_citations, edition, myst_left, site_url
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "book").glob("ch*.ipynb"))
 SITE = "https://example.org/book/"

@@ -4,6 +4,8 @@ import pytest
 
 from kvbook.requires import missing, requires
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 
 def test_a_met_requirement_is_not_missing():
     assert missing("pytest>=1.0") == [] and missing("pytest>=1.0", "torch>=2.0") == []

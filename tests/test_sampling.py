@@ -7,6 +7,8 @@ import kvlib
 from kvlib import SamplingParams
 from kvlib.sampling import probabilities, sampling_params
 
+pytestmark = pytest.mark.device
+
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
@@ -60,11 +62,11 @@ def test_keywords_and_the_object_are_two_doors_to_one_thing(model):
         sampling_params({"temperature": 1.0})
 
 
-def test_the_engine_takes_the_same_params(model):
+def test_the_engine_takes_the_same_params(model, device):
     prompt = [5, 6, 7, 8]
     p = SamplingParams(max_new_tokens=5, temperature=1.0, seed=11)
     want = kvlib.generate(model, prompt, sampling=p)[0, 4:].tolist()
-    eng = kvlib.Engine(model, kvlib.PagedCache.for_model(model.config, num_blocks=16, block_size=4))
+    eng = kvlib.Engine(model, kvlib.PagedCache.for_model(model, num_blocks=16, block_size=4, device=device))
     eng.add(prompt, sampling=p)
     assert eng.run()[0] == [want]  # the same seeded draws, through the paged engine
 
@@ -75,15 +77,15 @@ def test_the_engine_takes_the_same_params(model):
     SamplingParams(temperature=1.3, top_p=0.8),
     SamplingParams(temperature=0.9, top_k=8, top_p=0.5),
 ])
-def test_probabilities_is_the_distribution_sample_draws_from(params):
-    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3  # (B, vocab), no ties
+def test_probabilities_is_the_distribution_sample_draws_from(params, device):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)).to(device) * 3  # (B, vocab), no ties
     probs = probabilities(logits, params)
     assert probs.dtype == torch.float32 and probs.shape == (6, 50)
-    torch.testing.assert_close(probs.sum(-1), torch.ones(6))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(6, device=device))
     torch.testing.assert_close(probs, torch.stack([_by_hand(row, params) for row in logits]))
     for seed in range(5):  # the same draws, bit for bit, as sample's
-        want = kvlib.sample(logits, params, generator=torch.Generator().manual_seed(seed))
-        got = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1)
+        want = kvlib.sample(logits, params, generator=torch.Generator(device).manual_seed(seed))
+        got = torch.multinomial(probs, 1, generator=torch.Generator(device).manual_seed(seed)).squeeze(-1)
         assert torch.equal(got, want)
 
 
@@ -93,15 +95,15 @@ def _by_hand(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     order = sorted(range(len(row)), key=lambda i: -float(z[i]))[: params.top_k]
     mass = z[order].softmax(0).tolist()
     keep = [t for j, t in enumerate(order) if params.top_p is None or sum(mass[:j]) < params.top_p]
-    out = torch.zeros(len(row), dtype=torch.float64)
+    out = torch.zeros(len(row), dtype=torch.float64, device=row.device)
     out[keep] = z[keep].softmax(0)
     return out.float()
 
 
-def test_greedy_probabilities_are_the_one_hot_of_argmax():
-    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])  # a tie: argmax takes the first
+def test_greedy_probabilities_are_the_one_hot_of_argmax(device):
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0], [5.0, 0.0, 0.0, 0.0]], device=device)  # a tie: argmax takes the first
     probs = probabilities(logits, SamplingParams())
-    assert torch.equal(probs, torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0]]))
+    assert torch.equal(probs, torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0]], device=device))
     assert torch.equal(kvlib.sample(logits), logits.argmax(-1)) and torch.equal(probs.argmax(-1), logits.argmax(-1))
     # temperature 0 is the limit: at 0.05 the second row's margin of 5 becomes 100, and exp(-100) ~ 4e-44
     cold = probabilities(logits[1:], SamplingParams(temperature=0.05))
@@ -109,10 +111,10 @@ def test_greedy_probabilities_are_the_one_hot_of_argmax():
     assert probabilities(logits[0], SamplingParams(temperature=1.0)).shape == (4,)  # (vocab,) works too
 
 
-def test_probabilities_refuses_bad_input():
+def test_probabilities_refuses_bad_input(device):
     with pytest.raises(TypeError, match="logits must be a float tensor"):
-        probabilities(torch.tensor([1, 2, 3]), SamplingParams())
+        probabilities(torch.tensor([1, 2, 3], device=device), SamplingParams())
     with pytest.raises(ValueError, match=r"logits must be \(\.\.\., vocab\) with vocab >= 1, got shape \(\)"):
-        probabilities(torch.tensor(1.0), SamplingParams())
+        probabilities(torch.tensor(1.0, device=device), SamplingParams())
     with pytest.raises(TypeError, match="params must be a SamplingParams, got float"):
-        probabilities(torch.zeros(2, 3), 1.0)
+        probabilities(torch.zeros(2, 3, device=device), 1.0)

@@ -5,6 +5,8 @@ import pytest
 
 from kvlib.simulate import EXTERNAL, POLICIES, TraceRequest, request_trace, reservation, simulate
 
+pytestmark = pytest.mark.cpu_only("pure Python: formulas, tables and simulations with no tensors on a device")
+
 
 def test_simulate_by_hand():
     """Two requests of 2 + 2 tokens hold 8-slot reservations in a 16-slot pool while a third

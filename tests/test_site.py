@@ -15,6 +15,8 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+pytestmark = pytest.mark.cpu_only("drives Chromium over the built site")
+
 ROOT = Path(__file__).resolve().parents[1]
 # KVLIB_SITE: another built site to test, e.g. an older build, to watch a new check fail on it.
 SITE = Path(os.environ.get("KVLIB_SITE", ROOT / "_build" / "html"))

@@ -13,6 +13,8 @@ import pytest
 import yaml
 from test_site import DESKTOP, PHONE, ROOT, SITE, browser, built, chapter_pages, open_page, pages, server  # noqa: F401
 
+pytestmark = pytest.mark.cpu_only("drives Chromium over the built site")
+
 WIDTHS = {"desktop": {"width": 1280, "height": 800}, "phone": PHONE}
 
 

@@ -24,6 +24,8 @@ import pytest
 
 from test_site import browser, server  # noqa: F401  (fixtures)
 
+pytestmark = pytest.mark.cpu_only("drives Chromium over the built site")
+
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "_build" / "html"
 CALL = re.compile(r"\(.*\)$")  # `load_smollm2()`, ``kvlib.causal_mask(1, n)``: the name is before it

@@ -16,6 +16,8 @@ from test_site import DESKTOP, ROOT, SITE, browser, built, server  # noqa: F401
 
 from kvbook.search import CONCEPTS
 
+pytestmark = pytest.mark.cpu_only("drives Chromium over the built site")
+
 # A query, and the page that must come first.
 FIRST = {
     "paged attention": "book/ch09_paging",

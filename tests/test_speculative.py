@@ -28,6 +28,8 @@ import kvlib.speculative
 from kvlib import DynamicCache, ModelConfig, PagedCache, SamplingParams, StaticCache, Transformer
 from kvlib.speculative import EarlyExitDraft, PromptLookupDraft, speculative_generate
 
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
+
 V = 50
 
 

@@ -7,6 +7,8 @@ import torch
 import kvbook
 from kvbook.tables import render
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 
 def test_columns_take_the_widest_cell_numbers_right_text_left():
     text = render([{"context": 128, "MB": 4.7234, "share": 0.0625, "dtype": "fp32"},

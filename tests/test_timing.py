@@ -6,6 +6,8 @@ import torch
 from kvlib import PRESETS, Transformer
 from kvlib.timing import decode_stepper, matvec_bandwidth, timeit
 
+pytestmark = pytest.mark.cpu_only("about the CPU: threads, AMX, oneDNN")
+
 
 def test_timeit_reports_the_median():
     calls = []

@@ -17,6 +17,8 @@ import pytest
 
 import kvlib
 
+pytestmark = pytest.mark.cpu_only("about the repository (layout, versions, CI, docstrings), not kvlib on a device")
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10

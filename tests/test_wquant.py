@@ -14,6 +14,8 @@ from kvlib.wquant import (
     quantize_weights, stored_bytes,
 )
 
+pytestmark = pytest.mark.cpu_only("not yet converted to the `device` fixture (issue 47 follow-up)")
+
 
 def weight(K: int, N: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
     """A kvlib weight (in, out) whose columns span three orders of magnitude."""
