@@ -18,6 +18,8 @@ import kvbench
 from kvbench.gpurecord import check_gpu_record
 from kvlib import PRESETS, cost
 
+pytestmark = pytest.mark.cpu_only("builds or reads the book (nbformat/jupyter, kvbook): no tensors on a device")
+
 matplotlib.use("Agg")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,6 +34,8 @@ from kvlib.layers import chunked, full, shared, window
 from kvlib.mla import LatentCache, MLAAttention, MLAConfig
 from kvlib.quant import CastCache, QuantizedCache
 
+pytestmark = pytest.mark.cpu_only("runs on PyTorch's meta device, the CPU's stand-in for a GPU; on a GPU the device tests run there")
+
 META = torch.device("meta")
 CFG = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=96)
 

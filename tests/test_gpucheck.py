@@ -19,6 +19,8 @@ import kvbench
 from kvbench import gpu, gpubench
 from kvbench.gpurecord import check_gpu_record
 
+pytestmark = pytest.mark.cpu_only("runs make gpucheck's stages on the CPU; on a GPU machine the check itself runs the suite")
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpucheck.sh"
 ENV = os.environ | {"PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}

@@ -13,6 +13,8 @@ import pytest
 from kvbench import gpurecord
 from kvbench.gpurecord import FORMAT, check_gpu_record, load_gpu_record
 
+pytestmark = pytest.mark.cpu_only("pure Python: formulas, tables and simulations with no tensors on a device")
+
 
 def shape(n_layer: int) -> dict:
     return {
