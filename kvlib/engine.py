@@ -18,9 +18,7 @@ has that shape:
 While a long prompt is chunked in, the running sequences still emit a token at every
 step, and each of those steps is a single forward that reads the weights once.
 
-Host round-trips
-----------------
-One per step that samples, inherent: the sampled tokens are read back at once (``_sample``),
+**Host round-trips.** One per step that samples, inherent: the sampled tokens are read back at once (``_sample``),
 because the host decides with them which sequences stop and grows their block tables before
 the next step. Everything else (ids, tables, slots, positions) goes host to device only.
 """

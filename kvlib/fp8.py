@@ -4,9 +4,7 @@ Where `kvlib.quant` rounds numbers onto an integer grid, e4m3 keeps a float's ex
 mantissa bits, with one fp32 scale per layer or per KV head. `FP8Cache` stores keys and values this way;
 `quantize_fp8` and `fp8_scale` are the conversion. (Every name is importable from `kvlib.quant` too.)
 
-Host round-trips
-----------------
-None. A scale must be positive and finite: one given as a number is checked as a number, one on
+**Host round-trips.** None. A scale must be positive and finite: one given as a number is checked as a number, one on
 the CPU is read there, and a frozen scale is never checked again. A scale calibrated on an
 accelerator is not read (that would stall the device): it is positive by construction, and
 inf or NaN only if the prompt's keys were.

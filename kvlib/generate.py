@@ -5,9 +5,7 @@ the O(N²) baseline. ``generate`` runs one *prefill* over the prompt, then one
 *decode step* per new token against a KV cache. Both share the sampling and
 stopping code below, so any difference in their output is the cache's fault.
 
-Host round-trips
-----------------
-None per decode step in `generate` without stop tokens. With stop tokens it asks "has every row
+**Host round-trips.** None per decode step in `generate` without stop tokens. With stop tokens it asks "has every row
 stopped?" every ``sync_every`` steps (one read, inherent: it decides whether to go on), and
 trims once at the end. `stream` reads each token, inherent: it hands the caller an ``int``.
 Prompts are checked once, at the API boundary.

@@ -23,9 +23,7 @@ Positions stay absolute (token t is rotated at t), and the layout is ``(B, H_kv,
 A hybrid cache takes no padding mask: its layers hold different tokens, so one step mask
 cannot describe them all.
 
-Host round-trips
-----------------
-None. Which positions a layer holds follows from counts the host keeps (tokens seen, slots
+**Host round-trips.** None. Which positions a layer holds follows from counts the host keeps (tokens seen, slots
 filled) and, for a window layer, a host copy of its ring's positions (``sinks + W`` ints).
 So the slots a step writes, how much a chunked layer keeps, and whether a layer's band is
 plain causal (no mask needed) are decided on the host; the device only gets index tensors.

@@ -20,9 +20,7 @@ token, and keeps the newest tokens in full precision.
 Scales and minimums are stored in fp16 (fp32 where a tensor's pass fp16's 65,504) and counted
 in ``nbytes``. 4-bit and 2-bit codes are packed two and four to a byte.
 
-Host round-trips
-----------------
-None in a decode step. Two checks read values: that the input is finite, and whether a
+**Host round-trips.** None in a decode step. Two checks read values: that the input is finite, and whether a
 tensor's scales fit fp16 (else they stay fp32). On the CPU they read host memory and run as
 they always have. On an accelerator reading them would stall the device at every flush, so
 there `quantize` queues them as device-side assertions (``torch._assert_async``): no wait,

@@ -28,9 +28,7 @@ The cache is what makes it work, and what must be repaired: the verify forward
 wrote K/V for every proposal, so after a rejection the target cache is rolled
 back with ``cache.crop(n)`` (``PagedCache.truncate`` for a paged one).
 
-Host round-trips
-----------------
-Inherent: the accepted count decides what the cache keeps, so a verify step reads each examined guess's ``p/q``, each
+**Host round-trips.** Inherent: the accepted count decides what the cache keeps, so a verify step reads each examined guess's ``p/q``, each
 uniform and each draw (greedy: 1 per guess examined, 1 after a rejection, 2 per draw), a draft's ``q`` once; the prompt once.
 
 The draft protocol: ``propose(context_ids, k) -> list[int]`` (at most ``k`` tokens),

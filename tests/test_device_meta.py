@@ -327,11 +327,11 @@ def test_fastest_of_times_cuda_with_events(cuda_log):
 
 # -- the documented round-trips -------------------------------------------------------------------------
 def round_trips_section(module: str) -> str | None:
-    """The text under a module docstring's "Host round-trips" heading, or None without one."""
+    """The paragraph a module docstring opens with "**Host round-trips.**", or None without one."""
     doc = importlib.import_module(module).__doc__ or ""
-    if "Host round-trips\n----------------\n" not in doc:
+    if "**Host round-trips.** " not in doc:
         return None
-    return doc.split("Host round-trips\n----------------\n", 1)[1].split("\n\n", 1)[0]
+    return doc.split("**Host round-trips.** ", 1)[1].split("\n\n", 1)[0]
 
 
 @pytest.mark.parametrize("module", sorted(HOST_ROUND_TRIPS))

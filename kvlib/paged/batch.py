@@ -13,9 +13,7 @@ A step can be laid out two ways:
   numbers of new tokens (a decode token here, a prompt chunk there), laid end to
   end as ``(1, N)`` with no pad, the way vLLM's V1 engine flattens a step.
 
-Host round-trips
-----------------
-None inside a step: block tables, slots, positions and masks are built from host ints
+**Host round-trips.** None inside a step: block tables, slots, positions and masks are built from host ints
 (`kvlib.paged.PagedCache` keeps its tables and prefix index on the host, as vLLM does) and
 copied to the pool's device. The host learns a step's new tokens before the step, from its
 caller: ``cache.step(sids, tokens)`` given a tensor reads it once (`kvlib.engine.Engine`
