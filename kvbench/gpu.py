@@ -44,8 +44,10 @@ from . import gpubench as gb
 from .gpurecord import FORMAT, PART_KEYS, check_gpu_record
 from .report import json_ready
 
-NO_CUDA = 2  # exit status: the machine has no CUDA device
-HBM_TARGET = 0.6  # the target: decode at batch 1 on the 8B shape, of the HBM's copy bandwidth
+#: The exit status of the smoke stage when the machine has no CUDA device.
+NO_CUDA = 2
+#: The issue's target: decode at batch 1 on the 8B shape reaches this share of the HBM's copy bandwidth.
+HBM_TARGET = 0.6
 TARGET_SHAPE = "llama-3.1-8b"
 
 

@@ -32,7 +32,8 @@ from kvlib.model import Transformer
 from kvlib.paged import gather
 from kvlib.timing import timeit
 
-DTYPE = "bf16"  # the record's one dtype: what the two models are served in
+#: The record's one dtype: what the two models are served in.
+DTYPE = "bf16"
 TORCH_DTYPE = hardware.TORCH_DTYPES[DTYPE]
 
 #: The roofline's stated band: the measured step over `kvlib.hardware.step_time`'s prediction.

@@ -20,7 +20,9 @@ import json
 import os
 from pathlib import Path
 
+#: The record's format name, its ``"format"`` key.
 FORMAT = "kv-bench-gpu/1"
+#: Where ``make gpucheck`` writes the record, and `load_gpu_record` reads it by default.
 RECORD = Path(__file__).parent / "data" / "bench_gpu.json"
 
 # What a reader of the record may rely on: top-level keys, and each part's.
@@ -29,6 +31,7 @@ MACHINE_KEYS = ("gpu", "capability", "memory_bytes", "driver", "cuda", "torch", 
 SUITE_KEYS = ("passed", "failed", "skipped", "errors", "seconds", "command")  # counts None: the suite did not finish
 HBM_KEYS = ("copy_bytes", "bandwidth_bytes_s", "spec_bytes_s")
 SHAPE_KEYS = ("config", "dtype", "weight_bytes", "decode", "attention", "paged", "prefill", "roofline")
+#: The model shapes the record measures, by their keys in ``"shapes"``.
 SHAPES = ("smollm2-135m", "llama-3.1-8b")
 # Within a shape; a section that failed on the GPU keeps these keys (None) and adds an "error".
 PART_KEYS = {
