@@ -84,21 +84,9 @@ QUICK = GpuPlan(shapes=tuple((name, scaled_down(c)) for name, c in FULL.shapes),
                 measure_nbytes=2**20, quick=True)
 
 
-def sync(device: torch.device) -> Callable[[], None]:
-    """Wait for ``device``'s queued work (a no-op off CUDA, where work is not queued)."""
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
 def median_time(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median seconds of ``fn`` by `kvlib.timing.timeit`, each call ending in a synchronize."""
-    done = sync(device)
-
-    def call() -> None:
-        fn()
-        done()
-
-    done()
-    return timeit(call, warmup=warmup, repeats=repeats)["median"]
+    """Median seconds of ``fn`` by `kvlib.timing.timeit`, each call synchronized on ``device``."""
+    return timeit(fn, warmup=warmup, repeats=repeats, device=device)["median"]
 
 
 def random_model(config: ModelConfig, device: torch.device, seed: int = 0) -> Transformer:
