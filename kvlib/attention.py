@@ -225,19 +225,28 @@ def _groupable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
             and _padding_mask(mask, B, k.shape[2]))
 
 
-def is_plain_causal(mask: torch.Tensor | None, q_len: int, k_len: int) -> bool:
-    """Whether ``mask`` ``(1, 1, q_len, k_len)`` is the bottom-right causal one that `attend` hands a
-    kernel for ``mask=None``, so a kernel may take SDPA's own causal path instead.
+def attend_default(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`attend` with SDPA as a model runs by default: where ``mask`` is the plain bottom-right
+    causal one ``(1, 1, T, S)`` (`causal_mask`), the kernel gets no mask and takes SDPA's own
+    causal path, bit for bit the model's default kernel; any other mask is passed on.
 
-    On the CPU the mask is compared with `causal_mask`. On an accelerator that comparison would
-    wait for the device, so the shape decides: a ``(1, 1, T, S)`` bool mask is taken as that causal
-    one (a padding mask has a row per sequence; one padded sequence alone is the case this misreads).
+    On the CPU the mask is read and compared. On an accelerator that read would wait for the
+    device, so a mask of that shape is attended both ways and the device keeps the right one
+    (`_causal_or_masked`): twice the attention, no wait, and a padding mask is never taken for
+    the causal one.
     """
-    if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, q_len, k_len):
-        return False
+    T, S = q.shape[2], k.shape[2]
+    if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, T, S):
+        return attend(q, k, v, mask, "sdpa")
     if mask.device.type != "cpu":
-        return True
-    return torch.equal(mask[0, 0], causal_mask(q_len, k_len))
+        return _causal_or_masked(q, k, v, mask)
+    return attend(q, k, v, None if torch.equal(mask[0, 0], causal_mask(T, S)) else mask, "sdpa")
+
+
+def _causal_or_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`attend_default` without reading ``mask``: both results, the choice made on the device."""
+    causal = (mask[0, 0] == causal_mask(q.shape[2], k.shape[2], device=mask.device)).all()  # () bool
+    return torch.where(causal, attend(q, k, v, None, "sdpa"), attend(q, k, v, mask, "sdpa"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

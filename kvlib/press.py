@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import attend, causal_mask, is_plain_causal, repeat_kv, softmax
+from .attention import attend_default, causal_mask, repeat_kv, softmax
 from .evict import _Budgeted
 from .model import Transformer, apply_rope, rope_cos_sin
 from .validate import int_at_least, positive_int
@@ -324,10 +324,7 @@ class PressCache(_Budgeted):
         """The model's default attention ``(B, H, T, D)``; after a prefill, the layer is then compressed."""
         if self.last_layer is None or k.shape[2] != self.get_seq_length(self.last_layer):
             raise ValueError("PressCache.attention must follow this cache's own update in the same layer")
-        T, S = q.shape[2], k.shape[2]
-        if is_plain_causal(mask, T, S):  # decided without reading a device's mask (kvlib.attention)
-            mask = None  # `attend` gives every kernel an explicit mask: a plain causal one takes SDPA's own path
-        y = attend(q, k, v, mask, "sdpa")  # the model's default kernel, bit for bit
+        y = attend_default(q, k, v, mask)  # the model's default kernel, bit for bit (kvlib.attention)
         self._compress(self.last_layer, q)
         return y
 

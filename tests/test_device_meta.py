@@ -366,6 +366,25 @@ def test_quantize_on_an_accelerator_still_refuses_bad_input_on_the_device(monkey
     assert queued == []
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_attend_default_off_the_cpu_never_takes_a_padding_mask_for_causal(padded):
+    """A press's prefill hands SDPA no mask where the model's is the plain causal one. Off the CPU
+    that is decided on the device: both results, the right one kept. A single padded sequence's
+    mask has the causal mask's shape; it must still be applied (before, the shape alone decided)."""
+    from kvlib.attention import _causal_or_masked, attend, attend_default, causal_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g) for _ in "qkv")
+    mask = causal_mask(5, 5)[None, None].clone()  # (1, 1, T, S)
+    if padded:
+        mask[..., :2] = False  # the first two positions are padding
+    want = attend(q, k, v, mask if padded else None, "sdpa")
+    torch.testing.assert_close(_causal_or_masked(q, k, v, mask), want, rtol=0, atol=0)
+    torch.testing.assert_close(attend_default(q, k, v, mask), want, rtol=0, atol=0)  # the CPU's read
+    meta = attend_default(*(t.to(META) for t in (q, k, v, mask)))  # and no read on the device
+    assert meta.device == META and meta.shape == want.shape
+
+
 # -- the attention kernels and weight formats a model can run with ------------------------------------
 KERNELS = {
     "reference": lambda m: m.set_attention_impl("reference"),
