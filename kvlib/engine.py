@@ -76,6 +76,10 @@ class Engine:
     ``PagedCache.for_model(model, num_blocks, block_size)``): any other is refused here,
     not halfway through a step.
 
+    ``varlen=True`` (the default) attends each sequence over its own keys only
+    (`kvlib.paged.varlen`); ``varlen=False`` runs the step's row through the model's kernel
+    under a block-diagonal mask, computing every score between two sequences (to compare).
+
     ``trace=PoolTrace()`` records every block event of the run, step by step
     (`kvlib.paged.trace`); the pool must be fresh, and the trace is ``engine.trace``.
 
@@ -100,6 +104,7 @@ class Engine:
         stop: Iterable[int] = (),
         generator: torch.Generator | None = None,
         trace: PoolTrace | None = None,
+        varlen: bool = True,
     ) -> None:
         if not isinstance(model, Transformer):
             raise TypeError(f"Engine needs a kvlib Transformer, got {type(model).__name__}")
@@ -116,7 +121,9 @@ class Engine:
                 f"the pool holds {cache.dtype} on {cache.device} but the model runs in {model.dtype} on "
                 f"{model.device}: build the pool for the model, PagedCache.for_model(model, num_blocks, block_size)"
             )
-        self.model, self.cache = model, cache
+        if not isinstance(varlen, bool):
+            raise TypeError(f"varlen must be True or False, got {varlen!r}")
+        self.model, self.cache, self.varlen = model, cache, varlen
         self.scheduler = Scheduler(cache, max_batch)
         self.token_budget = None if token_budget is None else positive_int("token_budget", token_budget)
         self.stop = {int(t) for t in stop}
@@ -219,7 +226,7 @@ class Engine:
                 which += [len(at)] * len(p.group)
                 at.append(end)
         ids = torch.tensor([[t for row in rows for t in row]], device=self.model.device)  # (1, N)
-        with self.cache.step(plan.sids, rows, packed=True) as batch:
+        with self.cache.step(plan.sids, rows, packed=True, varlen=self.varlen) as batch:
             logits = self.model(ids, batch, logits_at=at)[0]  # (K, vocab): the scored positions only
             return self._sample(seqs, [logits[k] for k in which])  # before the commit: an error drops the step
 

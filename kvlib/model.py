@@ -115,10 +115,10 @@ class Attention(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
         k = qk[:, :, H:].transpose(1, 2)  # (B, H_kv, T, D)
         v = qkv[:, :, H + H_kv :].transpose(1, 2)  # (B, H_kv, T, D)
-        if cache is not None:  # NEW: append this step's k, v; attend over everything cached
-            k, v = cache.update(k, v, self.layer)  # (B, H_kv, S, D)
-            mask = cache.layer_mask(self.layer, mask)  # this layer's: a window layer's band, say
-        y = attend(q, k, v, mask, self.impl)  # (B, H, T, D); mask None = plain bottom-right causal
+        if cache is None:
+            y = attend(q, k, v, mask, self.impl)  # (B, H, T, D); mask None = plain bottom-right causal
+        else:  # NEW: append this step's k, v; attend over everything cached (cache.update, then attend)
+            y = cache.update_and_attend(q, k, v, self.layer, mask, self.impl)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.wo(y)
 

@@ -721,19 +721,22 @@ def _filled(tiny, lengths, seed=0, num_blocks=32, block_size=4):
     return cache, sids, refs
 
 
-def test_packed_paged_step_equals_contiguous_attention_and_the_rectangular_step(tiny, device):
+@pytest.mark.parametrize("varlen", [True, False])
+def test_packed_paged_step_equals_contiguous_attention_and_the_rectangular_step(tiny, device, varlen):
     """Sequences holding 3, 9 and 6 tokens bring 1, 4 and 2 new ones (a decode token and two
     prompt chunks) in ONE packed forward ``(1, 7)``: each sequence's logits and stored K/V equal
     a DynamicCache's for it alone. Then a decode step for all three, packed, equals the
-    rectangular PagedBatch's on the same cache. Tolerance: PACKED_TOL (fp32, rtol = atol = 1e-5)."""
+    rectangular PagedBatch's on the same cache. Tolerance: PACKED_TOL (fp32, rtol = atol = 1e-5).
+    Both ways of attending: sequence by sequence (varlen), and the row under the mask."""
     cache, sids, refs = _filled(tiny, (3, 9, 6))
     rows = [[7], [1, 2, 3, 4], [5, 6]]
     ids = torch.tensor([[t for r in rows for t in r]], device=device)  # (1, 7): no pad anywhere
-    with cache.step(sids, rows, packed=True) as b:
+    with cache.step(sids, rows, packed=True, varlen=varlen) as b:
         assert b.positions().tolist() == [[3, 9, 10, 11, 12, 6, 7]]  # each continues from its own length
         assert b.cu_seqlens_q.tolist() == [0, 1, 5, 7] and b.cu_seqlens_k.tolist() == [0, 4, 17, 25]
-        assert b.mask().shape == (1, 1, 7, 25) and b.get_seq_length() == 18
-        assert torch.equal(b.mask()[0, 0], packed_mask(b.cu_seqlens_q, b.cu_seqlens_k))  # kvlib.packed's picture
+        assert b.block_mask().shape == (1, 1, 7, 25) and b.get_seq_length() == 18
+        assert (b.mask() is None) == varlen  # a varlen step attends by itself: the model passes no mask
+        assert torch.equal(b.block_mask()[0, 0], packed_mask(b.cu_seqlens_q, b.cu_seqlens_k))  # kvlib.packed's
         got = tiny(ids, b)[0]  # (7, vocab); the batch supplies positions and mask
     starts = [0, 1, 5]
     for r, rc, s0, sid in zip(rows, refs, starts, sids):
@@ -745,7 +748,7 @@ def test_packed_paged_step_equals_contiguous_attention_and_the_rectangular_step(
         rect = tiny(torch.tensor(new, device=device), b)[:, -1]  # (3, vocab)
     for sid in sids:
         cache.truncate(sid, cache.num_tokens(sid) - 1)  # roll the step back, and run it packed
-    with cache.step(sids, new, packed=True) as b:
+    with cache.step(sids, new, packed=True, varlen=varlen) as b:
         packed = tiny(torch.tensor([[11, 12, 13]], device=device), b, logits_at=[0, 1, 2])[0]  # (3, vocab)
     torch.testing.assert_close(packed, rect, **PACKED_TOL)
     cache.check()
@@ -841,7 +844,7 @@ def test_bad_inputs_to_a_packed_step(tiny, device):
         cache.step([a], [[1], [2]], packed=True)
     with pytest.raises(TypeError, match="tokens must be int ids, got float 1.5"):
         cache.step([a], [[1.5]], packed=True)
-    with pytest.raises(TypeError, match="packed must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match="must each be True or False, got packed='yes'"):
         cache.step([a], [[1]], packed="yes")
     with pytest.raises(ValueError, match=r"got \[1, 2\]; steps of different lengths go in one packed step"):
         cache.step([a, b], [[1], [2, 3]])

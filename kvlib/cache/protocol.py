@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import attend
 from ..config import ModelConfig
 from ..validate import positive_int
 
@@ -236,6 +237,20 @@ class Cache(abc.ABC):
         ``update``: the step's mask itself, unless the cache gives its layers keys of their own
         shapes (`kvlib.hybrid.HybridCache`: a window layer's band over what it holds)."""
         return mask
+
+    def update_and_attend(self, q: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                          layer_idx: int, mask: torch.Tensor | None, impl: object = "sdpa") -> torch.Tensor:
+        """One layer's attention over this cache: store the step's keys, then attend. ``(B, H, T, D)``.
+
+        The model calls this once per layer (``q`` ``(B, H, T, D)``, the step's new keys and
+        values ``(B, H_kv, T, D)``, the step's ``mask`` and the layer's kernel ``impl``). By
+        default it is `update`, `layer_mask` and `kvlib.attention.attend`, so a cache that
+        only stores keys needs nothing else. A cache that knows a faster way to attend over
+        what it holds overrides it, as vLLM's attention backends do: a packed paged step
+        (`kvlib.paged.PackedPagedBatch`) attends sequence by sequence, never across two.
+        """
+        k, v = self.update(key_states, value_states, layer_idx)  # (B, H_kv, S, D)
+        return attend(q, k, v, self.layer_mask(layer_idx, mask), impl)
 
     # -- helpers for subclasses -------------------------------------------------------------------
     @property

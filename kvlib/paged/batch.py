@@ -28,9 +28,11 @@ from typing import Protocol
 
 import torch
 
+from ..attention import attend
 from ..cache import Cache, CacheSpec
 from ..packed import cu_seqlens
 from .blocks import BlockAllocator, OutOfBlocks
+from .varlen import VarlenPlan, paged_varlen_attention
 
 
 class StepPool(Protocol):
@@ -281,15 +283,26 @@ class PackedPagedBatch(_Step):
     continue each sequence from its own length, and ``mask()`` ``(1, 1, N, K)`` is
     block-diagonal and bottom-right causal (`kvlib.packed.packed_mask`'s picture, built
     from host ints so that the step reads nothing back from the device). ``cu_seqlens_q``
-    and ``cu_seqlens_k`` are the boundaries a varlen kernel would take: SDPA under this mask
-    still computes every score between two sequences and hides it, where a varlen kernel
-    (FlashAttention's, or `kvlib.packed.packed_attention`) never computes it.
+    and ``cu_seqlens_k`` are the boundaries a varlen kernel takes.
+
+    ``varlen=True`` (the default) attends the way a varlen kernel does
+    (`kvlib.paged.varlen`): the model's attention calls ``update_and_attend``, which runs
+    the decode rows as one batched decode and each prompt chunk over its own sequence's
+    keys, so no score between two sequences is ever computed, and ``mask()`` is None (the
+    step needs no picture). ``varlen=False`` is the row through the model's kernel under
+    the block-diagonal mask (``block_mask()``), which computes every score between two
+    sequences and hides it. A kernel of your own (`Transformer.set_attention_impl`), or
+    an explicit ``mask``, always gets the row and the mask. ``bytes_copied`` counts the
+    bytes of cached K/V the step has copied out of the pool to attend over them.
     """
 
-    def __init__(self, cache: StepPool, sids: list[int], tokens: list[list[int]], lengths: list[int]) -> None:
+    def __init__(self, cache: StepPool, sids: list[int], tokens: list[list[int]], lengths: list[int],
+                 varlen: bool = True) -> None:
         device = cache.device
         spec = CacheSpec(1, cache.n_kv_head, cache.head_dim, cache.dtype, device)  # keys (1, H_kv, N, D): one row
         super().__init__(cache, sids, tokens, lengths, spec)
+        self.varlen = varlen
+        self.bytes_copied = 0  # cached K/V copied out of the pool to attend over, all layers
         totals = [n + c for n, c in zip(lengths, self.counts)]  # keys of each sequence after this step
         self.N, self.K = sum(self.counts), sum(totals)
         self.longest = max(totals)  # the longest sequence, which the model's max_seq_len bounds (not the row)
@@ -311,8 +324,12 @@ class PackedPagedBatch(_Step):
 
         self.cached_slots, self.cached_at, self.new_at = as_long(cached_slots), as_long(cached_at), as_long(new_at)
         self._positions = as_long(q_pos)[None]  # (1, N)
-        same = as_long(q_seq)[:, None] == as_long(k_seq)[None, :]  # (N, K): the same sequence
-        self._mask = (same & (as_long(k_pos)[None, :] <= as_long(q_pos)[:, None]))[None, None]  # (1, 1, N, K)
+        self._picture = (q_seq, k_seq, q_pos, k_pos)  # the block-diagonal mask, built when first asked for
+        self._mask: torch.Tensor | None = None
+        elt = torch.empty((), dtype=cache.dtype).element_size()
+        self._kv_bytes = 2 * cache.n_kv_head * cache.head_dim * elt  # one token's K and V in one layer
+        self.plan = (VarlenPlan.build([cache.block_table(s) for s in sids], lengths, self.counts, bs,
+                                      self._kv_bytes, device) if varlen else None)
 
     # -- where the tokens sit and what they see ------------------------------------------------
     def _check_tokens(self, tokens: torch.Tensor | None) -> None:
@@ -325,14 +342,24 @@ class PackedPagedBatch(_Step):
         self._check_tokens(tokens)
         return self._positions
 
-    def mask(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """``(1, 1, N, K)`` bool: a query sees the keys of its own sequence up to itself, no other's."""
+    def mask(self, tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The mask the model passes on: `block_mask` with ``varlen=False``, None with ``varlen=True``
+        (the step attends sequence by sequence itself, and needs no picture)."""
         self._check_tokens(tokens)
+        return None if self.varlen else self.block_mask()
+
+    def block_mask(self) -> torch.Tensor:
+        """``(1, 1, N, K)`` bool: a query sees the keys of its own sequence up to itself, no other's."""
+        if self._mask is None:
+            q_seq, k_seq, q_pos, k_pos = (torch.tensor(x, device=self.cache.device) for x in self._picture)
+            same = q_seq[:, None] == k_seq[None, :]  # (N, K): the same sequence
+            self._mask = (same & (k_pos[None, :] <= q_pos[:, None]))[None, None]  # (1, 1, N, K)
         return self._mask
 
     # -- the Cache protocol ----------------------------------------------------------------------
     def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.staged[layer]  # (1, H, N, D)
+        self.bytes_copied += len(self.cached_slots) * self._kv_bytes  # every cached key, gathered into the row
         out = []
         for pool, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
             _, _, H, D = pool.shape
@@ -350,6 +377,22 @@ class PackedPagedBatch(_Step):
                              f"got {key_states.shape[2]}")
         self._stage(key_states, value_states, layer_idx)
         return self._read(layer_idx)
+
+    def update_and_attend(self, q: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                          layer_idx: int, mask: torch.Tensor | None, impl: object = "sdpa") -> torch.Tensor:
+        """Stage the layer's new keys, then attend: sequence by sequence (`paged_varlen_attention`)
+        with ``varlen=True`` and the default kernel, else over the row under the mask."""
+        if not (self.varlen and impl == "sdpa" and mask is None):
+            k, v = self.update(key_states, value_states, layer_idx)  # (1, H_kv, K, D): the whole row
+            return attend(q, k, v, self.block_mask() if mask is None else mask, impl)
+        self.validate_update(key_states, value_states, layer_idx)
+        if key_states.shape[2] != self.N:
+            raise ValueError(f"this packed step holds {self.N} new tokens ({self.counts} per sequence) but update "
+                             f"got {key_states.shape[2]}")
+        self._stage(key_states, value_states, layer_idx)
+        self.bytes_copied += self.plan.bytes_copied_per_layer
+        return paged_varlen_attention(q, key_states, value_states, self.cache.keys[layer_idx],
+                                      self.cache.values[layer_idx], self.plan)  # (1, H, N, D)
 
     def new_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.staged[layer]

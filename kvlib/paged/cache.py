@@ -302,17 +302,16 @@ class PagedCache:
         return copied
 
     def step(
-        self, sids: Sequence[int], tokens: torch.Tensor | Sequence[Sequence[int]], *, packed: bool = False
-    ) -> PagedBatch | PackedPagedBatch:
+        self, sids: Sequence[int], tokens: torch.Tensor | Sequence[Sequence[int]], *, packed: bool = False,
+        varlen: bool = True) -> PagedBatch | PackedPagedBatch:
         """The `Cache` one model forward runs against, for ``tokens`` after sequences ``sids``.
 
-        ``tokens`` is ``(B, T)``: the sequences may hold different numbers of tokens, and
-        the `PagedBatch` supplies each one's positions and mask. With ``packed=True`` it
-        is one token list per sequence, of any lengths (a decode token for one, a prompt
-        chunk for another), and the `PackedPagedBatch` runs them as one row ``(1, N)``.
-        Use it as ``with cache.step(sids, tokens) as batch:`` so the step is committed when
-        the forward succeeds. Raises `OutOfBlocks`, before anything changes, if the pool
-        cannot hold the step.
+        ``tokens`` is ``(B, T)``: the sequences may hold different numbers of tokens, and the `PagedBatch`
+        supplies each one's positions and mask. With ``packed=True`` it is one token list per sequence, of any
+        lengths (a decode token for one, a prompt chunk for another), and the `PackedPagedBatch` runs them as
+        one row ``(1, N)``, each sequence over its own keys (``varlen=False``: the row under a block-diagonal
+        mask). Use it as ``with cache.step(sids, tokens) as batch:`` so the step is committed when the forward
+        succeeds. Raises `OutOfBlocks`, before anything changes, if the pool cannot hold the step.
 
         Example
 
@@ -333,15 +332,16 @@ class PagedCache:
             raise ValueError("step needs at least one sequence")
         if len(set(sids)) != len(sids):
             raise ValueError(f"a sequence appears twice in one step: {sids}")
-        if not isinstance(packed, bool):
-            raise TypeError(f"packed must be True or False, got {packed!r}")
+        if not isinstance(packed, bool) or not isinstance(varlen, bool):
+            raise TypeError(f"packed and varlen must each be True or False, got packed={packed!r}, varlen={varlen!r}")
         seqs = [self._seq(s) for s in sids]
         rows = _token_rows(tokens, len(sids), ragged=packed)  # host ints: the tables and prefix index live on the host
         need = self.blocks_needed(sids, [len(r) for r in rows])
         if need > self.allocator.num_free:
             raise OutOfBlocks(f"this step needs {need} blocks but only {self.allocator.num_free} are free")
-        layout = PackedPagedBatch if packed else PagedBatch
-        self._open = layout(self, sids, rows, [len(s.tokens) for s in seqs])
+        lengths = [len(s.tokens) for s in seqs]
+        self._open = (PackedPagedBatch(self, sids, rows, lengths, varlen) if packed
+                      else PagedBatch(self, sids, rows, lengths))
         return self._open
 
     def _settle(self) -> None:
