@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             r["compile"] = compiled_step(model, ids, plan.contexts[0], plan.decode_steps)
         if args.chunked:
             print("(j) chunked prefill: pauses of running sequences ...", flush=True)
-            r["chunked"] = bench_chunked_prefill(model, tok.encode(tiny_shakespeare("val")))
+            text_ids = tok.encode(tiny_shakespeare("val"))
+            r["chunked_masked"] = bench_chunked_prefill(model, text_ids, varlen=False)  # the row under a mask
+            r["chunked"] = bench_chunked_prefill(model, text_ids)  # varlen attention, the Engine's default
         if args.invariant:
             print("(k) batch-invariant mode against the default kernels ...", flush=True)
             r["invariant"] = invariant_cost(model, ids, plan.contexts[0], plan.decode_steps // 4 or 1)

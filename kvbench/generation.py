@@ -106,9 +106,10 @@ def pauses_while_prefilling(engine, prompts: list[list[int]], long_prompt: list[
 
 def bench_chunked_prefill(model: Transformer, text_ids: list[int], *, running: int = 8, prompt_len: int = 24,
                           long_len: int = 1000, token_budget: int = 256, block_size: int = 32,
-                          new_tokens: int = 48) -> dict:
+                          new_tokens: int = 48, varlen: bool = True) -> dict:
     """`pauses_while_prefilling` for ``running`` sequences (prompts of ``prompt_len`` tokens cut from
-    ``text_ids``) while a ``long_len``-token prompt arrives, under ``token_budget`` tokens a step."""
+    ``text_ids``) while a ``long_len``-token prompt arrives, under ``token_budget`` tokens a step;
+    ``varlen=False``: the Engine's packed row under a block-diagonal mask (`kvlib.Engine`)."""
     need = running * prompt_len + long_len
     if len(text_ids) < need:
         raise ValueError(f"text_ids holds {len(text_ids)} tokens; {running} prompts of {prompt_len} and one of "
@@ -118,5 +119,5 @@ def bench_chunked_prefill(model: Transformer, text_ids: list[int], *, running: i
     blocks = running * -(-(prompt_len + new_tokens) // block_size) + -(-(long_len + 4) // block_size) + 4
     cache = PagedCache.for_model(model.config, num_blocks=blocks, block_size=block_size, dtype=model.dtype,
                                  device=model.device)
-    engine = Engine(model, cache, token_budget=token_budget)
+    engine = Engine(model, cache, token_budget=token_budget, varlen=varlen)
     return pauses_while_prefilling(engine, prompts, long_prompt, new_tokens)

@@ -2,7 +2,7 @@
 
 `main` collects every section's results into one dict ``r`` (keys ``generation``,
 ``decode``, ``hf``, ``hf_bf16``, ``roofline``, ``same_bytes``, ``precision``, ``split_kv``
-and, with ``--compile``, ``compile``; with ``--chunked``, ``chunked``; with ``--invariant``,
+and, with ``--compile``, ``compile``; with ``--chunked``, ``chunked`` and ``chunked_masked``; with ``--invariant``,
 ``invariant``). This module only reads it:
 
 * `machine_info` and `header`: versions, threads and the load average before and after,
@@ -121,6 +121,11 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
         rows.append(("chunked", f"{c['prefill_steps']} steps, {c['forwards_per_step']:.0f} forward each",
                      f"longest pause {c['max_pause_ms']:.0f} ms", f"decode step {c['decode_step_ms']:.0f} ms",
                      f"{c['pause_ratio']:.1f}x", "running sequences while a long prompt is chunked in"))
+    if "chunked_masked" in r:  # (j), the same run with the packed row under a mask
+        c, m = r["chunked"], r["chunked_masked"]
+        rows.append(("chunked", "longest pause: varlen / masked row", f"varlen {c['max_pause_ms']:.0f} ms",
+                     f"masked {m['max_pause_ms']:.0f} ms", f"{c['max_pause_ms'] / m['max_pause_ms']:.2f}x",
+                     f"tokens the same: {'yes' if c['tokens'] == m['tokens'] else 'no'}"))
     if "invariant" in r:  # (k)
         v = r["invariant"]
         for what in ("prefill", "decode"):
@@ -135,6 +140,12 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
                      f"kvlib {v['kvlib_tok_s']:.1f} tok/s", f"vLLM compiled {v['vllm_compiled_tok_s']:.1f}",
                      f"{v['vs_compiled']:.2f}x", f"vLLM eager {v['vllm_eager_tok_s']:.1f} ({v['vs_eager']:.2f}x), "
                      f"stored {v['vllm_date']}; {v['identical_requests']}/{v['requests']} requests' tokens same"))
+        if "kvlib_masked_tok_s" in v:
+            rows.append(("vs vLLM", "Engine: varlen attention / masked row", f"varlen {v['kvlib_tok_s']:.1f} tok/s",
+                         f"masked {v['kvlib_masked_tok_s']:.1f}", f"{v['varlen_vs_masked']:.2f}x",
+                         f"K/V copied per step {v['kv_bytes_copied_per_step'] / 2**20:.1f} MiB varlen, "
+                         f"{v['kv_bytes_copied_per_step_masked'] / 2**20:.1f} MiB masked; masked tokens same "
+                         f"{v['identical_requests_masked']}/{v['requests']}"))
         if "shares" in v:
             rows.append(("vs vLLM", "kvlib's time, profiled", f"copies {v['shares']['cache copies']:.0%}",
                          f"matmuls {v['shares']['matmuls']:.0%}", f"attention {v['shares']['attention']:.0%}",
@@ -228,6 +239,9 @@ def targets(r: dict, plan: Plan) -> list[dict]:
          f"{_share(v, 'matmuls')}, attention {_share(v, 'attention')}, cache copies {_share(v, 'cache copies')}, "
          f"everything else {_share(v, 'the rest')}; vLLM's paged kernel reads the blocks in place and its compiled "
          f"run fuses the rest. Against vLLM eager kvlib is {v['vs_eager']:.2f}x (vLLM's runs stored {v['vllm_date']})"),
+        ("longest pause while a 1,000-token prompt arrives, varlen / masked row",
+         None if "chunked_masked" not in r else r["chunked"]["max_pause_ms"] / r["chunked_masked"]["max_pause_ms"],
+         "<=", 0.7, "chunked_masked" not in r or r["chunked"]["tokens"] == r["chunked_masked"]["tokens"], None),
         ("kvlib best decode / llama.cpp on the same weights", None, ">=", 0.5, True,
          "not measured: llama-cpp-python builds from source (about 15 minutes here), so it is kept out of CI"),
     ]

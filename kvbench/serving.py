@@ -48,12 +48,19 @@ def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool 
     rec = load_record() if record is None else record
     scenario = next(s for s in rec["scenarios"] if s["name"] == "mixed")
     timed = {**scenario, "phases": scenario["phases"][:1]}  # the 16 mixed requests: the timed phase
-    mine = kvlib_side.run(timed, model)["phases"][0]
+    masked = kvlib_side.run(timed, model, varlen=False)["phases"][0]  # the packed row under a mask
+    mine = kvlib_side.run(timed, model)["phases"][0]  # varlen attention, the Engine's default
     theirs = {name: rec["vllm"][name]["phases"][0] for name in ("mixed", "compiled")}
     n_tok = sum(len(r["tokens"]) for r in mine["requests"].values())
     same = sum(mine["requests"][i]["tokens"] == r["tokens"] for i, r in theirs["mixed"]["requests"].items())
+    same_masked = sum(masked["requests"][i]["tokens"] == r["tokens"] for i, r in theirs["mixed"]["requests"].items())
     out = {"tokens": n_tok, "requests": len(mine["requests"]), "identical_requests": same,
-           "kvlib_tok_s": n_tok / mine["seconds"], "vllm_date": rec["machine"]["date"]}
+           "identical_requests_masked": same_masked,
+           "kvlib_tok_s": n_tok / mine["seconds"], "kvlib_masked_tok_s": n_tok / masked["seconds"],
+           "varlen_vs_masked": masked["seconds"] / mine["seconds"], "steps": mine["steps"],
+           "kv_bytes_copied_per_step": mine["kv_bytes_copied"] / mine["steps"],
+           "kv_bytes_copied_per_step_masked": masked["kv_bytes_copied"] / masked["steps"],
+           "vllm_date": rec["machine"]["date"]}
     for name, key in (("mixed", "eager"), ("compiled", "compiled")):
         out[f"vllm_{key}_tok_s"] = n_tok / theirs[name]["seconds"]
         out[f"vs_{key}"] = theirs[name]["seconds"] / mine["seconds"]  # above 1: kvlib took less time

@@ -54,6 +54,7 @@ class EngineStats:
     preemptions: int = 0  # running sequences sent back, and half-prefilled prompts abandoned
     peak_blocks: int = 0
     peak_batch: int = 0  # most sequences decoding in one step
+    kv_bytes_copied: int = 0  # cached K/V copied out of the pool to attend over (PackedPagedBatch.bytes_copied)
 
 
 class Engine:
@@ -228,7 +229,9 @@ class Engine:
         ids = torch.tensor([[t for row in rows for t in row]], device=self.model.device)  # (1, N)
         with self.cache.step(plan.sids, rows, packed=True, varlen=self.varlen) as batch:
             logits = self.model(ids, batch, logits_at=at)[0]  # (K, vocab): the scored positions only
-            return self._sample(seqs, [logits[k] for k in which])  # before the commit: an error drops the step
+            picks = self._sample(seqs, [logits[k] for k in which])  # before the commit: an error drops the step
+        self.stats.kv_bytes_copied += batch.bytes_copied
+        return picks
 
     def _process(self, plan: StepPlan, picks: Iterator[int], now: float) -> None:
         """Emit each decode's token; advance each prompt, and fork and start a group whose prompt is in."""

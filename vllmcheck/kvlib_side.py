@@ -35,7 +35,7 @@ def _serve_phase(engine: Engine, phase: list[dict], done: dict, names: dict | No
     pending = sorted(phase, key=lambda r: r["arrive"])
     records, seqs = {}, {}
     step, t0 = 0, time.perf_counter()
-    preempt0 = engine.stats.preemptions
+    preempt0, copied0 = engine.stats.preemptions, engine.stats.kv_bytes_copied
     while pending or not engine.finished:
         while pending and pending[0]["arrive"] <= step:
             r = pending.pop(0)
@@ -57,12 +57,14 @@ def _serve_phase(engine: Engine, phase: list[dict], done: dict, names: dict | No
     for name, seq in seqs.items():
         records[name]["tokens"] = list(seq.output)
     return {"requests": records, "steps": step, "seconds": time.perf_counter() - t0,
-            "counters": {"preemptions": engine.stats.preemptions - preempt0}}
+            "counters": {"preemptions": engine.stats.preemptions - preempt0},
+            "kv_bytes_copied": engine.stats.kv_bytes_copied - copied0}
 
 
-def run(scenario: dict, model: Transformer, trace: bool = False) -> dict:
+def run(scenario: dict, model: Transformer, trace: bool = False, varlen: bool = True) -> dict:
     """One scenario through kvlib: the record `compare` reads beside vLLM's; ``trace``: record the
-    pool step by step (`kvlib.paged.PoolTrace`), as ``result["trace"]``."""
+    pool step by step (`kvlib.paged.PoolTrace`), as ``result["trace"]``; ``varlen=False``: the
+    Engine's masked packed row instead of its varlen attention (`kvlib.Engine`)."""
     s, cfg = scenario, model.config
     result: dict = {"scenario": s["name"]}
     llm = s["llm"]
@@ -93,7 +95,7 @@ def run(scenario: dict, model: Transformer, trace: bool = False) -> dict:
     def fresh() -> Engine:
         cache = PagedCache.for_model(model, num_blocks=num_blocks, block_size=llm["block_size"], prefix_caching=True)
         return Engine(model, cache, max_batch=llm["max_num_seqs"], token_budget=s["kvlib"]["token_budget"],
-                      trace=PoolTrace() if trace else None)
+                      trace=PoolTrace() if trace else None, varlen=varlen)
 
     engine = fresh()
     result["num_blocks"] = num_blocks
