@@ -54,7 +54,7 @@ KVLIB_GROUPS = [
      "fewer KV heads, latent caches, layers that keep less, and fewer bits per number"),
     ("paging", "Paging and the engine", ["ch09_paging", "ch09b_serving_blocks", "ch12b_prefix_reuse",
                                           "ch12c_engines"],
-     ["kvlib.paged", "kvlib.paged.blocks", "kvlib.paged.cache", "kvlib.paged.batch", "kvlib.paged.hybrid",
+     ["kvlib.paged", "kvlib.paged.blocks", "kvlib.paged.cache", "kvlib.paged.batch", "kvlib.paged.varlen", "kvlib.paged.hybrid",
       "kvlib.paged.kernel", "kvlib.paged.trace", "kvlib.paged.replay", "kvlib.simulate", "kvlib.scheduler",
       "kvlib.engine", "kvlib.radix"],
      "blocks, block tables, prefix caching, and the engine that schedules them"),

@@ -11,6 +11,8 @@
 * `kvlib.paged.hybrid`: `HybridBlockPool`, one pool for a hybrid model's KV-cache groups
   (`kv_groups`), a block table per group, window layers giving back the blocks they have
   passed (`blocks_held`), prefix hits every group can serve. No tensors.
+* `kvlib.paged.varlen`: `VarlenPlan` and `paged_varlen_attention`, a packed step's attention with
+  each sequence over its own keys only (what `PackedPagedBatch` runs by default).
 * `kvlib.paged.kernel`: `paged_attention_loop`, the paged kernel's block-by-block loop.
 * `kvlib.paged.trace`: `PoolTrace`, every block event of an `kvlib.Engine` run and the pool after
   each step (format ``kv-pool-trace/1``, shared with vLLM's side of the cross-check).
@@ -27,6 +29,8 @@ from .cache import PagedCache
 from .hybrid import HybridBlockPool, KVGroup, blocks_held, kv_groups
 from .kernel import paged_attention_loop
 from .trace import PoolTrace
+from .varlen import VarlenPlan, paged_varlen_attention
 
 __all__ = ["BlockAllocator", "HybridBlockPool", "KVGroup", "OutOfBlocks", "PackedPagedBatch", "PagedBatch", "PagedCache",
-           "PoolTrace", "StepPool", "chain_hash", "gather", "blocks_held", "kv_groups", "paged_attention_loop", "slot_mapping"]
+           "PoolTrace", "StepPool", "VarlenPlan", "chain_hash", "gather", "blocks_held", "kv_groups",
+           "paged_attention_loop", "paged_varlen_attention", "slot_mapping"]
