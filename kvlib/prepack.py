@@ -128,7 +128,8 @@ class PackedLinear(nn.Module):
         probe = fn(torch.zeros(1, dtype=torch.bfloat16))
         if probe.dtype != torch.bfloat16 or probe.device.type != "cpu":
             raise ValueError(f"this model's bf16 matrices are prepacked for the CPU (kvlib.prepack) and "
-                             f"cannot move to {probe.dtype} on {probe.device}; {_UNPACK_HINT}")
+                             f"cannot move to {probe.dtype} on {probe.device}; {_UNPACK_HINT}. Layers before "
+                             "this one may have moved already: load the model again before using it")
         return self
 
     def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
