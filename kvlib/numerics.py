@@ -244,7 +244,7 @@ def _record(path: Path) -> None:
 
     if fast_dtype() != torch.bfloat16:
         raise SystemExit("this CPU has no bf16 matrix instructions: the study would take an hour here")
-    model, tok = load_smollm2(dtype=torch.bfloat16)
+    model, tok = load_smollm2(dtype=torch.bfloat16, prepack=False)  # the plain layout the record was made with
     ids, others, prompt = study_inputs(tok, model.config.vocab_size)
     table = drift_table(model, ids, STUDY["start"], STUDY["chunk"], others)
     div = divergence(model, prompt, STUDY["n_new"])

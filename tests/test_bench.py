@@ -65,6 +65,8 @@ def test_quick_bench_runs_end_to_end(tmp_path):
                       "split_kv", "targets"}
     packed = {"bf16 packed"} if prepack.available() else set()  # only where oneDNN has a bf16 path
     assert set(r["precision"]) == {"fp32", "bf16", "int8", "int4"} | packed
+    default = "bf16" if os.environ.get(prepack.ENV) == "0" else (packed or {"bf16"}).pop()
+    assert r["precision"]["fp32"]["bf16_default"] == default  # what load_smollm2(dtype=bf16) gives here
     assert r["precision"]["fp32"]["agreement"] == 1.0 and r["precision"]["bf16"]["agreement_bf16"] == 1.0
     assert set(r["attention"]) == {str(c) for c in kvbench.QUICK.attention_contexts} and set(r["threads"]) >= {"1"}
     speed = ("decode / bare", "bf16 (", "bf16 decode speedup", "int8 decode", "int4 decode", "attention at")

@@ -231,7 +231,7 @@ EXPECT = {  # name: (min agreement, max perplexity ratio)
 @pytest.fixture(scope="module")
 def smol(smollm2):
     fp32, tok = smollm2
-    bf16, _ = kvlib.load_smollm2(dtype=torch.bfloat16)
+    bf16, _ = kvlib.load_smollm2(dtype=torch.bfloat16, prepack=False)  # the plain layout, as quantized
     models = {
         "bf16": bf16,
         "int8": quantize_weights(copy.deepcopy(bf16), "int8"),  # the fast one: int8 kernel, bf16 rows
