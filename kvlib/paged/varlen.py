@@ -4,8 +4,8 @@ A packed step (`kvlib.paged.PackedPagedBatch`) lays every sequence's new tokens 
 end in one row. Run through SDPA, the row needs a block-diagonal mask
 (`kvlib.packed.packed_mask`), and SDPA still computes every score between two
 sequences before the mask hides it: with 16 prompts of 16 to 160 tokens (1,402 in
-all) that is 1,402² scores where the sequences need only the sum of their own
-squares, about an eighth. A varlen kernel (FlashAttention's ``flash_attn_varlen_func``,
+all) that is 1,402² = 1,965,604 scores where the sequences need only the sum of
+their own squares, 154,186: about a thirteenth. A varlen kernel (FlashAttention's ``flash_attn_varlen_func``,
 vLLM's attention backends) takes the boundaries instead and computes only the
 diagonal blocks. `paged_varlen_attention` does that in two parts, the way vLLM's
 backends split a step:
