@@ -88,17 +88,18 @@ def test_varlen_attention_equals_each_sequence_alone(seqs, block_size, heads, se
 
 
 def test_the_plan_splits_decodes_from_chunks_and_counts_what_it_copies(device):
-    """Rows: a decode (5 held), a chunk of 3 with 6 held, a fresh chunk of 4, a decode (1 held).
-    Decodes gather whole blocks padded to the longest: 2 rows x 2 blocks x 4 slots; the held
-    chunk gathers its 6 keys; the fresh chunk attends where its keys lie, copying none."""
+    """Rows: a decode (5 held), a chunk of 3 with 6 held, a fresh chunk of 4, a decode (1 held),
+    blocks of 4. Decodes gather their keys' slots padded to the longest (5 held + the new key:
+    6 each); the held chunk gathers its 6 keys; the fresh chunk attends where its keys lie."""
     tables = [[3, 7], [1, 2], [], [5]]
     plan = VarlenPlan.build(tables, [5, 6, 0, 1], [1, 3, 4, 1], 4, 10, torch.device(device))
     assert plan.decode_at.tolist() == [0, 8] and plan.decode_cols.tolist() == [5, 1]
-    assert plan.decode_tables.tolist() == [[3, 7], [5, 0]]  # padded with block 0 (masked)
+    # block 3 holds slots 12..15, block 7 slots 28..31, block 5 slots 20..23; slot 0 pads (masked)
+    assert plan.decode_slots.tolist() == [12, 13, 14, 15, 28, 0, 20, 0, 0, 0, 0, 0]
     assert plan.decode_mask[:, 0, 0].tolist() == [[True] * 6, [True, True] + [False] * 4]
     assert [(a, c, None if s is None else s.tolist()) for a, c, s in plan.chunks] == [
         (1, 3, [4, 5, 6, 7, 8, 9]), (4, 4, None)]
-    assert plan.bytes_copied_per_layer == (2 * 2 * 4 + 6) * 10
+    assert plan.bytes_copied_per_layer == (2 * 6 + 6) * 10
 
 
 def _engine_run(model, prompts, budget, block_size, varlen, device):
@@ -133,9 +134,9 @@ def test_the_engine_gives_the_masked_steps_logits_sequence_by_sequence(tiny_mode
         torch.testing.assert_close(x, y, **tol(device, rtol=1e-5, atol=1e-5))
 
 
-def test_a_varlen_step_copies_fewer_bytes_than_the_masked_row(tiny_model, device):
-    """Four prompts of 12 tokens, then decode steps: the masked row gathers every cached key once
-    per layer; the varlen step gathers each decode's blocks, padded to whole blocks."""
+def test_what_a_packed_step_copies_out_of_the_pool(tiny_model, device):
+    """Four prompts of 12 tokens, then a decode step: the masked row gathers every cached key once
+    per layer; the varlen step gathers each decode's 12 keys and the slot its new key takes."""
     c = tiny_model.config
     copied = {}
     for varlen in (False, True):
@@ -149,7 +150,7 @@ def test_a_varlen_step_copies_fewer_bytes_than_the_masked_row(tiny_model, device
         copied[varlen] = b.bytes_copied
     token = 2 * c.n_kv_head * c.head_dim * 4 * c.n_layer  # K and V, fp32, every layer
     assert copied[False] == 4 * 12 * token  # the 48 cached keys, once per layer
-    assert copied[True] == 4 * 2 * 8 * token  # 2 whole blocks of 8 for each of the 4 decodes
+    assert copied[True] == 4 * 13 * token  # 12 keys and the new key's place, for each of the 4
 
 
 def test_a_kernel_of_your_own_gets_the_row_and_the_block_mask(tiny_model, device):

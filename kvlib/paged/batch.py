@@ -90,7 +90,8 @@ def gather(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch
     _, bs, H, D = pool.shape
     if not 0 < length <= n * bs:
         raise ValueError(f"length {length} does not fit {n} blocks of {bs} slots")
-    blocks = pool[block_tables]  # (B, n, block_size, H, D): one copy of everything read
+    # one copy of everything read; index_select, several times faster on a CPU than pool[block_tables]
+    blocks = pool.index_select(0, block_tables.reshape(-1).long())  # (B * n, block_size, H, D)
     return blocks.view(B, n * bs, H, D)[:, :length].transpose(1, 2)  # (B, H, length, D)
 
 
@@ -364,9 +365,9 @@ class PackedPagedBatch(_Step):
         for pool, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
             _, _, H, D = pool.shape
             row = torch.empty(self.K, H, D, dtype=pool.dtype, device=pool.device)  # (K, H, D)
-            if len(self.cached_slots):
-                row[self.cached_at] = pool.view(-1, H, D)[self.cached_slots]  # every cached key, one gather
-            row[self.new_at] = new[0].transpose(0, 1)  # (N, H, D): each sequence's new keys after its own
+            if len(self.cached_slots):  # every cached key, one gather
+                row.index_copy_(0, self.cached_at, pool.view(-1, H, D).index_select(0, self.cached_slots))
+            row.index_copy_(0, self.new_at, new[0].transpose(0, 1))  # (N, H, D): each one's new keys after its own
             out.append(row.transpose(0, 1)[None])  # (1, H, K, D)
         return out[0], out[1]
 
