@@ -11,8 +11,9 @@ with the load averages both runs report.
 
 Where kvlib's time goes is measured too: the same requests once more under
 ``torch.profiler``, each operator's own time sorted into the weight matmuls, attention,
-and the paged cache's copies (``gather`` reads every sequence's blocks into a fresh
-tensor for each layer, and the new keys are written into it and into the pool). vLLM's
+and the paged cache's copies (each layer reads the decoding sequences' cached keys into a
+fresh tensor with ``index_select``, and the new keys are written into it and into the pool;
+a few small selects of rows, the scored positions among them, count here too). vLLM's
 paged-attention kernel reads the blocks where they lie and writes each new key once, so
 that copying is work its step does not do.
 """
@@ -27,7 +28,8 @@ from kvlib.model import Transformer
 # operator -> the part of a paged step it belongs to (self time; the rest is everything else)
 # (aten::fill_ is left out: most of its calls are the sums inside RMSNorm's mean)
 PARTS = {"aten::mm": "matmuls", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-         "aten::index": "cache copies", "aten::_index_put_impl_": "cache copies"}
+         "aten::index": "cache copies", "aten::_index_put_impl_": "cache copies",
+         "aten::index_select": "cache copies", "aten::index_copy_": "cache copies"}
 
 
 def _shares(timed: dict, model: Transformer) -> dict:
