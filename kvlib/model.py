@@ -190,8 +190,7 @@ class Transformer(nn.Module):
                              f"is for memory math (latent MLA layers run in kvlib.mla)")
         self.config = config
         with torch.device(device) if device is not None else nullcontext():
-            # With tied embeddings one (d_model, vocab) matrix serves both ends: the
-            # lm_head multiplies by it, and embedding a token reads one of its columns.
+            # tied embeddings: one (d_model, vocab) matrix for both ends (the lm_head, and a token's column)
             self.tok_emb = None if config.tie_embeddings else nn.Embedding(config.vocab_size, config.d_model)
             self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
             self.norm = RMSNorm(config.d_model, config.norm_eps)
@@ -211,16 +210,10 @@ class Transformer(nn.Module):
         if not std > 0:
             raise ValueError(f"std must be positive, got {std!r}")
         g = torch.Generator(device="cpu")
-        if seed is not None:
-            g.manual_seed(seed)
-        else:
-            g.seed()
-        for name, p in self.named_parameters():
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        g.manual_seed(seed) if seed is not None else g.seed()
+        with torch.no_grad():
+            for name, p in self.named_parameters():  # norms at 1, everything else drawn
+                p.fill_(1.0) if name.endswith("norm.weight") else p.copy_(torch.randn(p.shape, generator=g) * std)
 
     @property
     def device(self) -> torch.device:
@@ -342,6 +335,13 @@ class Transformer(nn.Module):
                 f"got {mask.dtype} {tuple(mask.shape)}"
             )
         return mask
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to/.float/.cuda: a layer that cannot move (kvlib.prepack) refuses before any moves (nn.Module would not)
+        for m in self.modules():
+            if m is not self and hasattr(m, "check_apply"):
+                m.check_apply(fn)
+        return super()._apply(fn, recurse)
 
     def first_layers(self, n: int) -> "Transformer":
         """A smaller model made of this one's embedding, first ``n`` blocks, final norm and lm_head.

@@ -123,13 +123,17 @@ class PackedLinear(nn.Module):
         copy.train(self.training)
         return copy
 
-    def _apply(self, fn, recurse: bool = True):
-        # nn.Module.to/.float/.cuda: a no-op where bf16 stays on the CPU; otherwise refuse
+    def check_apply(self, fn) -> None:
+        """Raise unless ``fn`` (what ``.to``/``.float``/``.cuda`` apply to every tensor) keeps bf16 on
+        the CPU. `kvlib.Transformer` asks every layer before it moves any, so a refusal changes nothing."""
         probe = fn(torch.zeros(1, dtype=torch.bfloat16))
         if probe.dtype != torch.bfloat16 or probe.device.type != "cpu":
             raise ValueError(f"this model's bf16 matrices are prepacked for the CPU (kvlib.prepack) and "
-                             f"cannot move to {probe.dtype} on {probe.device}; {_UNPACK_HINT}. Layers before "
-                             "this one may have moved already: load the model again before using it")
+                             f"cannot move to {probe.dtype} on {probe.device}; {_UNPACK_HINT}")
+
+    def _apply(self, fn, recurse: bool = True):
+        # nn.Module.to/.float/.cuda: a no-op where bf16 stays on the CPU; otherwise refuse
+        self.check_apply(fn)
         return self
 
     def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:

@@ -110,6 +110,9 @@ def test_a_packed_model_moves_only_where_it_stays_packed():
     assert torch.equal(packed.to("cpu")(x), before) and torch.equal(packed.to(BF16)(x), before)
     with pytest.raises(ValueError, match="cannot move to torch.float32 on cpu; call kvlib.prepack.unpack_weights"):
         prepack_weights(tiny()).float()
+    with pytest.raises(ValueError, match="cannot move to torch.float32"):
+        packed.to(torch.float32)  # refused before any layer moved: the model is whole
+    assert {t.dtype for t in packed.state_dict().values()} == {BF16} and torch.equal(packed(x), before)
     with pytest.raises(TypeError, match="this model has quantized or prepacked ones"):
         packed.set_batch_invariant(True)
     unpack_weights(packed).set_batch_invariant(True)  # the way back
