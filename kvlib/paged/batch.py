@@ -281,7 +281,7 @@ class PackedPagedBatch(_Step):
     head_dim)`` keys and returns the row of every key the step attends to, ``(1, kv_heads,
     K, head_dim)`` with ``K = sum(start) + N``: sequence by sequence, its cached keys (one
     gather through a flat slot index) followed by its new ones. ``positions()`` ``(1, N)``
-    continue each sequence from its own length, and ``mask()`` ``(1, 1, N, K)`` is
+    continue each sequence from its own length, and ``block_mask()`` ``(1, 1, N, K)`` is
     block-diagonal and bottom-right causal (`kvlib.packed.packed_mask`'s picture, built
     from host ints so that the step reads nothing back from the device). ``cu_seqlens_q``
     and ``cu_seqlens_k`` are the boundaries a varlen kernel takes.
@@ -360,7 +360,6 @@ class PackedPagedBatch(_Step):
     # -- the Cache protocol ----------------------------------------------------------------------
     def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.staged[layer]  # (1, H, N, D)
-        self.bytes_copied += len(self.cached_slots) * self._kv_bytes  # every cached key, gathered into the row
         out = []
         for pool, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
             _, _, H, D = pool.shape
@@ -371,12 +370,16 @@ class PackedPagedBatch(_Step):
             out.append(row.transpose(0, 1)[None])  # (1, H, K, D)
         return out[0], out[1]
 
-    def update(self, key_states, value_states, layer_idx):
+    def _check_and_stage(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         self.validate_update(key_states, value_states, layer_idx)
         if key_states.shape[2] != self.N:
             raise ValueError(f"this packed step holds {self.N} new tokens ({self.counts} per sequence) but update "
                              f"got {key_states.shape[2]}")
         self._stage(key_states, value_states, layer_idx)
+
+    def update(self, key_states, value_states, layer_idx):
+        self._check_and_stage(key_states, value_states, layer_idx)
+        self.bytes_copied += len(self.cached_slots) * self._kv_bytes  # every cached key, gathered into the row
         return self._read(layer_idx)
 
     def update_and_attend(self, q: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -386,11 +389,7 @@ class PackedPagedBatch(_Step):
         if not (self.varlen and impl == "sdpa" and mask is None):
             k, v = self.update(key_states, value_states, layer_idx)  # (1, H_kv, K, D): the whole row
             return attend(q, k, v, self.block_mask() if mask is None else mask, impl)
-        self.validate_update(key_states, value_states, layer_idx)
-        if key_states.shape[2] != self.N:
-            raise ValueError(f"this packed step holds {self.N} new tokens ({self.counts} per sequence) but update "
-                             f"got {key_states.shape[2]}")
-        self._stage(key_states, value_states, layer_idx)
+        self._check_and_stage(key_states, value_states, layer_idx)
         self.bytes_copied += self.plan.bytes_copied_per_layer
         return paged_varlen_attention(q, key_states, value_states, self.cache.keys[layer_idx],
                                       self.cache.values[layer_idx], self.plan)  # (1, H, N, D)
