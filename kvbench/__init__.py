@@ -2,7 +2,7 @@
 
     python -m kvbench [--json PATH] [--quick] [--threads N] [--compile] [--chunked] [--invariant]
 
-One run loads SmolLM2-135M and measures eleven things (fourteen with the flags), each section in the module of its
+One run loads SmolLM2-135M and measures twelve things (fifteen with the flags), each section in the module of its
 idea:
 
 ======  ==========================================================  =====================
@@ -19,6 +19,8 @@ idea:
 (k)     batch-invariant mode vs default (``--invariant`` only)       `kvbench.invariant`
 (l)     the `Engine` on the vLLM cross-check's requests              `kvbench.serving`
 (m)     decode at 1, 2, 4, 8 threads (up to the CPU's count)         `kvbench.roofline`
+(n)     paged decode attention: gather, block loops, flex            `kvbench.paged_read`
+        (flex compiled: ``--compile`` only); K/V bytes each copies
 ======  ==========================================================  =====================
 
 `kvbench.plan` holds the sizes (`FULL`, the book's run; `QUICK`, a smoke test) and the
@@ -51,6 +53,7 @@ from .report import (header, json_ready, load_average, load_record, machine_info
                      targets)
 from .roofline import (MATVEC_BIG, MATVEC_COUNT, MATVEC_SMALL, bare_matvecs, bench_roofline, kernel_sweep, same_bytes,
                        thread_scaling)
+from .paged_read import decode_rows, paged_read_candidates
 from .serving import engine_vs_vllm
 from .split_kv import attention_bandwidth, split_vs_sdpa
 
@@ -76,6 +79,8 @@ __all__ = [
     "invariant_cost",
     # (l), (m)
     "engine_vs_vllm", "thread_scaling",
+    # (n)
+    "decode_rows", "paged_read_candidates",
     # the report and the command line
     "load_average", "machine_info", "header", "table_rows", "targets", "print_report", "json_ready", "main",
     # the stored run the chapters quote, and the GPU's (None until `make gpucheck` has run on one)

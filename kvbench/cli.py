@@ -25,6 +25,7 @@ from kvlib.validate import positive_int
 from .compiled import compiled_step
 from .generation import bench_chunked_prefill, bench_decode, bench_generation
 from .invariant import invariant_cost
+from .paged_read import paged_read_candidates
 from .huggingface import hf_bf16, hf_vs_kvlib, load_hf_smollm2
 from .plan import FULL, QUICK, prompt_ids
 from .precision import precision_ladder
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--threads", type=_threads, default=2, help="torch.set_num_threads (default 2)")
-    p.add_argument("--compile", action="store_true", help="also time torch.compile on the decode step (slow)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile on the decode step, and compiled FlexAttention in (n) (slow)")
     p.add_argument("--chunked", action="store_true",
                    help="also time the engine's pauses while a 1,000-token prompt is chunked in")
     p.add_argument("--invariant", action="store_true",
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         print("(h) attention's bandwidth, and split-KV against fused attention ...", flush=True)
         r["attention"] = attention_bandwidth(model, plan.attention_contexts, plan.matvec_repeats // 4 or 1)
         r["split_kv"] = split_vs_sdpa(model, plan.split_context, plan.splits, plan.matvec_repeats)
+        print("(n) paged decode attention: gather, block loops" + (", flex (compiling)" if args.compile else "")
+              + " ...", flush=True)
+        r["paged_read"] = paged_read_candidates(model.config, plan.paged_read_batch,
+                                                repeats=plan.paged_read_repeats, flex=args.compile)
         if plan.serving:
             print("(l) the Engine on the vLLM cross-check's requests ...", flush=True)
             r["serving"] = engine_vs_vllm(model)

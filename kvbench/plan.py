@@ -44,12 +44,14 @@ class Plan:
     splits: tuple[int, ...] = (2, 4, 8, 16)  # (h) split counts tried
     attention_contexts: tuple[int, ...] = (1024, 4096, 8192)  # (h) cache lengths attention's GB/s is read at
     serving: bool = True  # (l) serve the vLLM cross-check's requests through the Engine
+    paged_read_batch: int = 16  # (n) decode rows whose paged attention is read each way
+    paged_read_repeats: int = 15  # (n) timed turns of each paged-read candidate
 
 
 #: The book's run.
 FULL = Plan(64, (32, 64, 128, 256), (64, 256, 1024), 64, 3, 1, 20, 20)
 #: A smoke test.
-QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 5, 64, 512, (2, 4), (256, 512), False)
+QUICK = Plan(16, (8, 16), (16, 64), 8, 1, 1, 5, 5, 64, 512, (2, 4), (256, 512), False, 4, 3)
 
 
 def prompt_ids(tok: Tokenizer, n: int) -> torch.Tensor:

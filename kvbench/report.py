@@ -1,7 +1,7 @@
 """The report: what the run was measured on, one table row per measurement, the book's targets.
 
 `main` collects every section's results into one dict ``r`` (keys ``generation``,
-``decode``, ``hf``, ``hf_bf16``, ``roofline``, ``same_bytes``, ``precision``, ``split_kv``
+``decode``, ``hf``, ``hf_bf16``, ``roofline``, ``same_bytes``, ``precision``, ``split_kv``, ``paged_read``
 and, with ``--compile``, ``compile``; with ``--chunked``, ``chunked`` and ``chunked_masked``; with ``--invariant``,
 ``invariant``). This module only reads it:
 
@@ -109,6 +109,18 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
         if name != "sdpa":
             rows.append(("split-KV", f"context {plan.split_context}, {name}", f"{ms:.2f} ms",
                          f"sdpa {sk['sdpa']:.2f} ms", f"{sk['sdpa'] / ms:.2f}x", "one layer's decode attention"))
+    if "paged_read" in r:  # (n)
+        pr = r["paged_read"]
+        cand, sh = pr["candidates"], pr["shapes"]
+        base = cand["gather (kvlib varlen)"]["ms_per_layer"]
+        for name, c in cand.items():
+            note = (f"K/V copied {c['bytes_copied'] / 2**20:.2f} MiB/layer/step; setup {c['setup_ms_per_step']:.2f} "
+                    f"ms/step; max err {c['max_abs_err']:.1e}{'' if c['ok'] else ' (OVER atol)'}")
+            if "compile_s" in c:
+                note += (f"; compiling took {c['compile_s']:.1f} s, next step {c['next_step_s'] * 1e3:.1f} ms, "
+                         f"recompiles {c['recompiles_on_next_step']}")
+            rows.append(("paged read", f"batch {sh['batch']}, {name}", f"{c['ms_per_layer']:.2f} ms/layer",
+                         f"gather {base:.2f} ms", f"{base / c['ms_per_layer']:.2f}x", note))
     if "compile" in r:  # (i)
         c = r["compile"]
         rows.append(("compile", f"decode, context {plan.contexts[0]}", f"compiled {c['compiled_ms']:.1f} ms",
