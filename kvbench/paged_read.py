@@ -19,7 +19,8 @@ read every sequence's keys through its table, and there are three ways to do it:
   with a `BlockMask` whose KV block indices *are* the page table, so the compiled kernel
   visits only each sequence's own blocks, and a ``mask_mod`` that hides the slots past a
   sequence's length. On a CPU it runs through ``torch.compile`` (inductor's C++ template):
-  the first call compiles, and the next step (one more token each) must not recompile.
+  the first call compiles, and the next step (one more token each) must not recompile. The
+  generated kernel takes the pool's strides and reads it in place (in fp32 it packs nothing).
 
 `paged_read_candidates` times one layer's decode attention of a batch at SmolLM2-135M's
 shapes (random pool contents), every candidate taking turns, and checks each against
@@ -185,10 +186,13 @@ def paged_read_candidates(cfg: ModelConfig | None = None, batch: int = 16, lengt
     ``ms_per_layer`` (median of ``repeats``, taking turns), ``setup_ms_per_step`` (once per
     step, shared by the layers), ``bytes_copied`` (cached K/V copied per layer and step),
     ``max_abs_err`` against `reference`, ``ok`` (within `ATOL`); flex also ``compile_s``
-    (its first call), ``next_step_s`` and ``recompiles_on_next_step`` (one token more each)."""
+    (its first call: seconds cold, less with inductor's disk cache warm, nothing if this
+    process compiled the same shapes before), ``next_step_s`` and ``recompiles_on_next_step``
+    (every sequence one token longer). ``lengths`` given sets the batch."""
     cfg = PRESETS["smollm2-135m"] if cfg is None else cfg
     if lengths is None:  # spread over 100..250, like the cross-check's decode rows
         lengths = [100 + (150 * i) // max(batch - 1, 1) for i in range(batch)]
+    batch = len(lengths)
     rows = decode_rows(cfg, lengths, block_size, seed)
     ref = reference(rows)
     names = [n for n in CANDIDATES if flex or not n.startswith("flex")]
