@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--threads", type=_threads, default=2, help="torch.set_num_threads (default 2)")
-    p.add_argument("--compile", action="store_true", help="also time torch.compile on the decode step, and compiled FlexAttention in (n) (slow)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile on the decode step, compiled FlexAttention in (n) and the "
+                   "Engine compiled piecewise in (l) (slow)")
     p.add_argument("--chunked", action="store_true",
                    help="also time the engine's pauses while a 1,000-token prompt is chunked in")
     p.add_argument("--invariant", action="store_true",
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 repeats=plan.paged_read_repeats, flex=args.compile)
         if plan.serving:
             print("(l) the Engine on the vLLM cross-check's requests ...", flush=True)
-            r["serving"] = engine_vs_vllm(model)
+            r["serving"] = engine_vs_vllm(model, compiled=args.compile)
         counts = tuple(n for n in (1, 2, 4, 8) if n <= (os.cpu_count() or 1))
         print(f"(m) decode at {', '.join(map(str, counts))} threads ...", flush=True)
         r["threads"] = thread_scaling(model, ids, plan.contexts[0], counts, plan.decode_steps // 2 or 1)

@@ -159,6 +159,12 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
                          f"K/V copied per step {v['kv_bytes_copied_per_step'] / 2**20:.1f} MiB varlen, "
                          f"{v['kv_bytes_copied_per_step_masked'] / 2**20:.1f} MiB masked; masked tokens same "
                          f"{v['identical_requests_masked']}/{v['requests']}"))
+        if "kvlib_compiled_tok_s" in v:
+            rows.append(("vs vLLM", "Engine: blocks compiled piecewise / eager",
+                         f"compiled {v['kvlib_compiled_tok_s']:.1f} tok/s", f"eager {v['kvlib_tok_s']:.1f}",
+                         f"{v['compiled_vs_eager']:.2f}x", f"compile {v['compile_s']:.1f} s; against vLLM compiled "
+                         f"{v['vs_compiled_compiled']:.2f}x; tokens same {v['identical_requests_compiled']}/"
+                         f"{v['requests']}"))
         if "shares" in v:
             rows.append(("vs vLLM", "kvlib's time, profiled", f"copies {v['shares']['cache copies']:.0%}",
                          f"matmuls {v['shares']['matmuls']:.0%}", f"attention {v['shares']['attention']:.0%}",
@@ -185,6 +191,21 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
 # -- the targets ----------------------------------------------------------------------------
 def _share(v: dict, part: str) -> str:
     return f"{v['shares'][part]:.0%}" if "shares" in v else "(not profiled)"
+
+
+def _engine_why(v: dict, r: dict) -> str:
+    """Where the Engine's time goes, and what the two levers measured here gave."""
+    text = (f"bound: of kvlib's profiled time, matmuls {_share(v, 'matmuls')}, attention {_share(v, 'attention')}, "
+            f"cache copies {_share(v, 'cache copies')}, everything else {_share(v, 'the rest')}")
+    if "compiled_vs_eager" in v:
+        text += (f"; its blocks compiled piecewise ran {v['compiled_vs_eager']:.2f}x eager (compile "
+                 f"{v['compile_s']:.0f} s), compiling fuses what lies between the matmuls and leaves them to the same kernel")
+    flex = r.get("paged_read", {}).get("candidates", {}).get("flex (compiled)")
+    if flex and "ms_per_layer" in flex:
+        gather = r["paged_read"]["candidates"]["gather (kvlib varlen)"]
+        text += (f"; reading the blocks in place (compiled flex, (n)) took {flex['ms_per_layer']:.2f} ms a layer "
+                 f"against the gather's {gather['ms_per_layer']:.2f}")
+    return text + f". Against vLLM eager kvlib is {v['vs_eager']:.2f}x (vLLM's runs stored {v['vllm_date']})"
 
 
 def _why(cond: bool, text: str) -> str | None:
@@ -248,13 +269,9 @@ def targets(r: dict, plan: Plan) -> list[dict]:
          f"({att['sdpa']:.1f} reading it once per query head), against {att['matvec']:.1f} for a matvec: "
          "it computes scores for a few queries per block of keys, which a streaming matvec does not"),
         ("kvlib/HF tokens/s, bf16", hb["ratio"], ">=", 1.3, True, None),
-        ("kvlib Engine / vLLM CPU compiled, tokens/s", None if v is None else v["vs_compiled"], ">=", 1.3,
-         v is None or v["identical_requests"] == v["requests"],
-         None if v is None else
-         f"bound: kvlib's Engine runs eager and copies the paged cache it reads: of its profiled time, matmuls "
-         f"{_share(v, 'matmuls')}, attention {_share(v, 'attention')}, cache copies {_share(v, 'cache copies')}, "
-         f"everything else {_share(v, 'the rest')}; vLLM's paged kernel reads the blocks in place and its compiled "
-         f"run fuses the rest. Against vLLM eager kvlib is {v['vs_eager']:.2f}x (vLLM's runs stored {v['vllm_date']})"),
+        *(("kvlib Engine / vLLM CPU compiled, tokens/s", None if v is None else v["vs_compiled"], ">=", t,
+           v is None or v["identical_requests"] == v["requests"], None if v is None else _engine_why(v, r))
+          for t in (1.0, 1.3)),
         ("longest pause while a 1,000-token prompt arrives, varlen / masked row",
          None if "chunked_masked" not in r else r["chunked"]["max_pause_ms"] / r["chunked_masked"]["max_pause_ms"],
          "<=", 0.7, "chunked_masked" not in r or r["chunked"]["tokens"] == r["chunked_masked"]["tokens"], None),

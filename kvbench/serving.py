@@ -20,10 +20,14 @@ that copying is work its step does not do.
 
 from __future__ import annotations
 
+import copy
+import time
+
 from torch.profiler import ProfilerActivity, profile
 
 from vllmcheck import kvlib_side, load_record
 from kvlib.model import Transformer
+from kvlib.piecewise import compile_blocks
 
 # operator -> the part of a paged step it belongs to (self time; the rest is everything else)
 # (aten::fill_ is left out: most of its calls are the sums inside RMSNorm's mean)
@@ -43,10 +47,28 @@ def _shares(timed: dict, model: Transformer) -> dict:
     return {part: t / total for part, t in ms.items()}
 
 
-def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool = True) -> dict:
+def _compiled(timed: dict, model: Transformer, theirs: dict) -> dict:
+    """The same requests through a piecewise-compiled copy (`kvlib.piecewise.compile_blocks`): its
+    tokens/s on a second run, and the first run's extra wall time, which is the compilation."""
+    comp = compile_blocks(copy.deepcopy(model))
+    walls, runs = [], []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        runs.append(kvlib_side.run(timed, comp)["phases"][0])
+        walls.append(time.perf_counter() - t0)
+    mine = runs[1]
+    n_tok = sum(len(r["tokens"]) for r in mine["requests"].values())
+    return {"kvlib_compiled_tok_s": n_tok / mine["seconds"], "compile_s": walls[0] - walls[1],
+            "identical_requests_compiled": sum(mine["requests"][i]["tokens"] == r["tokens"]
+                                               for i, r in theirs.items())}
+
+
+def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool = True,
+                   compiled: bool = False) -> dict:
     """(l) Tokens/s of kvlib's Engine on the record's ``mixed`` requests against vLLM's stored
     eager and compiled runs; how many requests' tokens equal vLLM's; and (``shares``) the
-    profiled share of kvlib's time in each part of `PARTS` (``"shares"``)."""
+    profiled share of kvlib's time in each part of `PARTS` (``"shares"``). ``compiled``: the
+    Engine once more with its blocks compiled piecewise (``compiled_vs_eager``, ``compile_s``)."""
     rec = load_record() if record is None else record
     scenario = next(s for s in rec["scenarios"] if s["name"] == "mixed")
     timed = {**scenario, "phases": scenario["phases"][:1]}  # the 16 mixed requests: the timed phase
@@ -66,6 +88,10 @@ def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool 
     for name, key in (("mixed", "eager"), ("compiled", "compiled")):
         out[f"vllm_{key}_tok_s"] = n_tok / theirs[name]["seconds"]
         out[f"vs_{key}"] = theirs[name]["seconds"] / mine["seconds"]  # above 1: kvlib took less time
+    if compiled:
+        out |= _compiled(timed, model, theirs["mixed"]["requests"])
+        out["compiled_vs_eager"] = out["kvlib_compiled_tok_s"] / out["kvlib_tok_s"]
+        out["vs_compiled_compiled"] = out["kvlib_compiled_tok_s"] / out["vllm_compiled_tok_s"]
     if shares:
         out["shares"] = _shares(timed, model)
     return out

@@ -62,7 +62,7 @@ KVLIB_GROUPS = [
      ["kvlib.evict", "kvlib.press", "kvlib.needle", "kvlib.evaluate"],
      "caches under a budget, and prompt compression"),
     ("speed", "Decoding fast", ["ch05_step_time", "ch11_decode_fast", "ch11b_weight_formats", "ch11c_gpu"],
-     ["kvlib.kernels", "kvlib.native", "kvlib.prepack", "kvlib.packed", "kvlib.timing"],
+     ["kvlib.kernels", "kvlib.native", "kvlib.prepack", "kvlib.piecewise", "kvlib.packed", "kvlib.timing"],
      "the kernels, the packed weights, and timing"),
     ("serving", "Serving", ["ch12_serving", "ch12c_engines"], ["kvlib.speculative"],
      "speculative decoding"),
