@@ -16,6 +16,13 @@ fresh tensor with ``index_select``, and the new keys are written into it and int
 a few small selects of rows, the scored positions among them, count here too). vLLM's
 paged-attention kernel reads the blocks where they lie and writes each new key once, so
 that copying is work its step does not do.
+
+Two levers are measured beside the plain Engine, each on a copy of the model. vLLM's CPU
+backend runs every dense projection through oneDNN's matmul on a weight reordered once at
+load (``create_onednn_mm`` in ``dispatch_cpu_unquantized_gemm``), where kvlib's ``x @ W`` calls
+the BLAS library: `kvlib.prepack` packs the fp32 weights the same way. And vLLM compiles its
+model around attention: with ``compiled=True`` (``--compile``) the Engine runs once more with its
+blocks compiled piecewise (`kvlib.piecewise`), and the first run's extra time is the compilation.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ from __future__ import annotations
 import copy
 import time
 
+import torch
+
 from torch.profiler import ProfilerActivity, profile
 
 from vllmcheck import kvlib_side, load_record
 from kvlib.model import Transformer
 from kvlib.piecewise import compile_blocks
+from kvlib.prepack import available, prepack_weights
 
 # operator -> the part of a paged step it belongs to (self time; the rest is everything else)
 # (aten::fill_ is left out: most of its calls are the sums inside RMSNorm's mean)
@@ -63,12 +73,22 @@ def _compiled(timed: dict, model: Transformer, theirs: dict) -> dict:
                                                for i, r in theirs.items())}
 
 
+def _packed(timed: dict, model: Transformer, theirs: dict) -> dict:
+    """The same requests with the fp32 weights prepacked for oneDNN (`kvlib.prepack`), as vLLM's CPU
+    backend runs its projections: tokens/s, and how many requests' tokens equal vLLM's."""
+    mine = kvlib_side.run(timed, prepack_weights(copy.deepcopy(model)))["phases"][0]
+    n_tok = sum(len(r["tokens"]) for r in mine["requests"].values())
+    return {"kvlib_packed_tok_s": n_tok / mine["seconds"],
+            "identical_requests_packed": sum(mine["requests"][i]["tokens"] == r["tokens"] for i, r in theirs.items())}
+
+
 def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool = True,
                    compiled: bool = False) -> dict:
     """(l) Tokens/s of kvlib's Engine on the record's ``mixed`` requests against vLLM's stored
     eager and compiled runs; how many requests' tokens equal vLLM's; and (``shares``) the
-    profiled share of kvlib's time in each part of `PARTS` (``"shares"``). ``compiled``: the
-    Engine once more with its blocks compiled piecewise (``compiled_vs_eager``, ``compile_s``)."""
+    profiled share of kvlib's time in each part of `PARTS` (``"shares"``). An fp32 model runs once
+    more with its weights prepacked for oneDNN (``packed_vs_eager``); ``compiled``: once more with its
+    blocks compiled piecewise (``compiled_vs_eager``, ``compile_s``)."""
     rec = load_record() if record is None else record
     scenario = next(s for s in rec["scenarios"] if s["name"] == "mixed")
     timed = {**scenario, "phases": scenario["phases"][:1]}  # the 16 mixed requests: the timed phase
@@ -88,6 +108,10 @@ def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool 
     for name, key in (("mixed", "eager"), ("compiled", "compiled")):
         out[f"vllm_{key}_tok_s"] = n_tok / theirs[name]["seconds"]
         out[f"vs_{key}"] = theirs[name]["seconds"] / mine["seconds"]  # above 1: kvlib took less time
+    if model.dtype == torch.float32 and available(torch.float32):
+        out |= _packed(timed, model, theirs["mixed"]["requests"])
+        out["packed_vs_eager"] = out["kvlib_packed_tok_s"] / out["kvlib_tok_s"]
+        out["vs_compiled_packed"] = out["kvlib_packed_tok_s"] / out["vllm_compiled_tok_s"]
     if compiled:
         out |= _compiled(timed, model, theirs["mixed"]["requests"])
         out["compiled_vs_eager"] = out["kvlib_compiled_tok_s"] / out["kvlib_tok_s"]

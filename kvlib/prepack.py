@@ -20,6 +20,13 @@ The packed bytes are the same count as the plain ones: it is a permutation, not 
 compression. It cannot be read back cheaply, so a tied lm_head keeps its plain matrix
 as well, for the embedding's rows (`PackedLinear.embedding_rows`).
 
+*fp32.* oneDNN packs fp32 weights the same way, for its fp32 kernel; vLLM's CPU backend runs
+its fp32 projections so (``create_onednn_mm`` in vLLM's ``dispatch_cpu_unquantized_gemm``).
+`prepack_weights` packs an fp32 model too, and ``load_smollm2(prepack=True)`` loads one packed,
+but only when asked: results then move from the plain model's by rounding, and whether it is
+faster depends on the CPU's BLAS against its oneDNN at the step's number of rows (`python -m
+kvbench` measures it on the Engine's requests).
+
 *The default.* ``kvlib.load_smollm2(dtype=torch.bfloat16)`` packs the model it makes
 wherever `available` says the CPU's oneDNN has a bf16 path (`use_prepack` decides), since
 plain bf16 decodes slower than fp32 there. ``prepack=False``, or ``KVLIB_PREPACK=0`` in the
@@ -54,37 +61,46 @@ _UNPACK_HINT = ("call kvlib.prepack.unpack_weights(model) first, or load it with
                 "kvlib.load_smollm2(..., prepack=False) (or KVLIB_PREPACK=0)")
 
 
-def available() -> bool:
-    """Whether bf16 weights can be packed here: a PyTorch build with oneDNN and its
-    packed-linear ops, on a CPU whose oneDNN runs bf16 (AVX512 or AVX-NE-CONVERT and up;
-    an AVX2-only CPU, or ``DNNL_MAX_CPU_ISA=AVX2``, has no bf16 path to pack for)."""
+#: what `PackedLinear` packs, and the batch size each layout is reordered for (oneDNN's hint:
+#: bf16 for one row, a decode step; fp32 for 32 rows, as vLLM's CPU backend packs its fp32 weights)
+PACKABLE = {torch.bfloat16: 1, torch.float32: 32}
+
+
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether weights of ``dtype`` can be packed here: a PyTorch build with oneDNN and its
+    packed-linear ops and, for bf16, a CPU whose oneDNN runs bf16 (AVX512 or AVX-NE-CONVERT
+    and up; an AVX2-only CPU, or ``DNNL_MAX_CPU_ISA=AVX2``, has no bf16 path to pack for)."""
     ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_is_mkldnn_bf16_supported")
-            and bool(ops._is_mkldnn_bf16_supported()))
+    built = (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+             and hasattr(ops, "_linear_pointwise"))
+    if dtype == torch.float32 or not built:
+        return built and dtype in PACKABLE
+    return dtype == torch.bfloat16 and hasattr(ops, "_is_mkldnn_bf16_supported") and bool(ops._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
-    """A bf16 `Linear` whose weight is stored in oneDNN's packed layout (CPU only).
+    """A bf16 or fp32 `Linear` whose weight is stored in oneDNN's packed layout (CPU only).
 
-    ``PackedLinear(weight)`` takes kvlib's ``(in, out)`` bf16 weight and reorders it once.
-    ``forward(x)`` multiplies ``(..., in)`` bf16 rows by it, ``(..., out)``, for any number
-    of rows (the layout does not depend on the batch). ``keep_rows=True`` also keeps the
-    plain matrix, so that a tied embedding can read single rows.
+    ``PackedLinear(weight)`` takes kvlib's ``(in, out)`` weight and reorders it once.
+    ``forward(x)`` multiplies ``(..., in)`` rows of the same dtype by it, ``(..., out)``, for
+    any number of rows (the layout does not depend on the batch). ``keep_rows=True`` also
+    keeps the plain matrix, so that a tied embedding can read single rows.
     """
 
     def __init__(self, weight: torch.Tensor, keep_rows: bool = False) -> None:
         super().__init__()
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(f"weight must be a 2-D tensor (in, out), got {getattr(weight, 'shape', type(weight).__name__)}")
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-            raise ValueError(f"PackedLinear packs bf16 weights on the CPU, got {weight.dtype} on {weight.device}")
-        if not available():
-            raise RuntimeError("bf16 weights cannot be packed here: this PyTorch build has no oneDNN packed-linear "
-                               "ops (torch.ops.mkldnn), or this CPU's oneDNN has no bf16 path (kvlib.prepack.available())")
+        if weight.dtype not in PACKABLE or weight.device.type != "cpu":
+            raise ValueError(f"PackedLinear packs bf16 or fp32 weights on the CPU, got {weight.dtype} on {weight.device}")
+        if not available(weight.dtype):
+            raise RuntimeError(f"{weight.dtype} weights cannot be packed here: this PyTorch build has no oneDNN "
+                               "packed-linear ops (torch.ops.mkldnn), or this CPU's oneDNN has no bf16 path "
+                               "(kvlib.prepack.available())")
         K, N = weight.shape
         w = weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 1)  # (out, in), permuted inside
+        self.dtype = w.dtype
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), PACKABLE[w.dtype])  # (out, in), permuted
         self.register_buffer("packed", packed)
         self.register_buffer("rows", w.t().contiguous() if keep_rows else None)  # (out, in) = (vocab, d)
         self.in_features, self.out_features = K, N
@@ -94,8 +110,8 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, keep_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            raise ValueError(f"PackedLinear multiplies bf16 rows on the CPU, got {x.dtype} on {x.device}")
+        if x.dtype != self.dtype or x.device.type != "cpu":
+            raise ValueError(f"this PackedLinear multiplies {self.dtype} rows on the CPU, got {x.dtype} on {x.device}")
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")  # (M, out)
         return y.view(*x.shape[:-1], self.out_features)
@@ -124,15 +140,15 @@ class PackedLinear(nn.Module):
         return copy
 
     def check_apply(self, fn) -> None:
-        """Raise unless ``fn`` (what ``.to``/``.float``/``.cuda`` apply to every tensor) keeps bf16 on
-        the CPU. `kvlib.Transformer` asks every layer before it moves any, so a refusal changes nothing."""
-        probe = fn(torch.zeros(1, dtype=torch.bfloat16))
-        if probe.dtype != torch.bfloat16 or probe.device.type != "cpu":
-            raise ValueError(f"this model's bf16 matrices are prepacked for the CPU (kvlib.prepack) and "
+        """Raise unless ``fn`` (what ``.to``/``.float``/``.cuda`` apply to every tensor) keeps the dtype
+        on the CPU. `kvlib.Transformer` asks every layer before it moves any, so a refusal changes nothing."""
+        probe = fn(torch.zeros(1, dtype=self.dtype))
+        if probe.dtype != self.dtype or probe.device.type != "cpu":
+            raise ValueError(f"this model's {self.dtype} matrices are prepacked for the CPU (kvlib.prepack) and "
                              f"cannot move to {probe.dtype} on {probe.device}; {_UNPACK_HINT}")
 
     def _apply(self, fn, recurse: bool = True):
-        # nn.Module.to/.float/.cuda: a no-op where bf16 stays on the CPU; otherwise refuse
+        # nn.Module.to/.float/.cuda: a no-op where the dtype stays on the CPU; otherwise refuse
         self.check_apply(fn)
         return self
 
@@ -150,28 +166,33 @@ class PackedLinear(nn.Module):
             error_msgs.append(f"{key}: expected (in, out) = {(self.in_features, self.out_features)}, "
                               f"got {tuple(w.shape)}")
             return
-        w = w.detach().to(torch.bfloat16).t().contiguous()  # (out, in)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        w = w.detach().to(self.dtype).t().contiguous()  # (out, in)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACKABLE[self.dtype])
         if self.rows is not None:
             self.rows = w
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"packed bf16{', plain rows kept' if self.rows is not None else ''}")
+                f"packed {str(self.dtype)[6:]}{', plain rows kept' if self.rows is not None else ''}")
 
 
 def prepack_weights(model: Transformer) -> Transformer:
-    """Replace, in place, every `Linear` of a bf16 CPU model by a `PackedLinear`; return it.
+    """Replace, in place, every `Linear` of a bf16 or fp32 CPU model by a `PackedLinear`; return it.
 
-    Outputs equal the plain model's up to bf16 rounding (another kernel sums in another
-    order). A tied lm_head keeps its plain rows for the embedding, so the model then
-    stores the vocabulary matrix twice (`kvlib.wquant.stored_bytes` counts both).
+    Outputs equal the plain model's up to rounding (another kernel sums in another order), so
+    an fp32 model packed is close to the plain one but not equal to the bit. fp32 is not packed
+    by default: it is what vLLM's CPU backend does with its fp32 weights (oneDNN's matmul on a
+    weight reordered once at load), and `python -m kvbench` measures what it gives kvlib's
+    Engine; a plain ``x @ W`` goes to the BLAS library instead, whose small-batch kernels are
+    faster on some CPUs and slower on others. A tied lm_head keeps its plain rows for the
+    embedding, so the model then stores the vocabulary matrix twice (`kvlib.wquant.stored_bytes`
+    counts both).
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"prepack_weights needs a kvlib Transformer, got {type(model).__name__}")
-    if model.dtype != torch.bfloat16 or model.device.type != "cpu":
-        raise ValueError(f"prepack_weights packs bf16 models on the CPU, got {model.dtype} on {model.device}; "
-                         "load one with kvlib.load_smollm2(dtype=torch.bfloat16)")
+    if model.dtype not in PACKABLE or model.device.type != "cpu":
+        raise ValueError(f"prepack_weights packs bf16 or fp32 models on the CPU, got {model.dtype} on "
+                         f"{model.device}; load one with kvlib.load_smollm2(dtype=torch.bfloat16) or the default fp32")
     if model.batch_invariant:
         raise ValueError("this model is batch-invariant (set_batch_invariant); packed kernels are not")
     swaps = []  # (parent module, attribute name, new module); all built before any is swapped
@@ -213,8 +234,8 @@ def use_prepack(prepack: bool | None, dtype: torch.dtype, device: torch.device |
     """Whether a model loaded in ``dtype`` on ``device`` is to be packed (`load_smollm2`'s rule).
 
     ``prepack=None`` (the default) packs a bf16 CPU model where `available`, unless
-    ``KVLIB_PREPACK=0`` is set; ``False`` never packs; ``True`` packs or raises where it
-    cannot. Asking for bf16 on a CPU with no bf16 path warns (`SlowBF16Warning`).
+    ``KVLIB_PREPACK=0`` is set, and never an fp32 one; ``False`` never packs; ``True`` packs
+    (fp32 too) or raises where it cannot. Asking for bf16 on a CPU with no bf16 path warns (`SlowBF16Warning`).
     """
     if prepack is not None and not isinstance(prepack, bool):
         raise TypeError(f"prepack must be True, False or None, got {prepack!r}")
@@ -230,8 +251,10 @@ def use_prepack(prepack: bool | None, dtype: torch.dtype, device: torch.device |
             "(no AVX512-BF16 or AMX, or DNNL_MAX_CPU_ISA/ATEN_CPU_CAPABILITY keeps it off), so every bf16 "
             "product is emulated, widening to fp32 and rounding back, and a decode step that reads half the "
             "bytes still takes longer. Load with dtype=torch.float32 for speed; the model stays bf16, as asked.", SlowBF16Warning, stacklevel=3)
+    if prepack is True and dtype == torch.float32 and dev.type == "cpu" and available(torch.float32):
+        return True  # fp32 packs only when asked (see prepack_weights)
     if prepack is True and not ok:
-        why = (f"it packs bf16 models on the CPU, got {dtype} on {dev}" if not bf16_cpu else
+        why = (f"it packs bf16 or fp32 models on the CPU, got {dtype} on {dev}" if not bf16_cpu else
                "this CPU's oneDNN has no bf16 path to pack for (kvlib.prepack.available() is False)")
         raise ValueError(f"prepack=True cannot be honoured: {why}; pass prepack=None or False")
     if prepack is None:

@@ -187,7 +187,8 @@ def load_smollm2(
     wherever this CPU's oneDNN has a bf16 path (`kvlib.prepack`): plain bf16 decodes
     slower than fp32 there, packed faster. ``prepack=False``, or ``KVLIB_PREPACK=0`` in
     the environment, gives the plain layout (for `Transformer.set_batch_invariant`, or to
-    compare the two); ``prepack=True`` insists, raising where it cannot pack. On a CPU
+    compare the two); ``prepack=True`` insists, raising where it cannot pack, and packs
+    an fp32 model too (oneDNN's fp32 kernel, as vLLM's CPU backend runs; never by default). On a CPU
     with no bf16 path, ``dtype=torch.bfloat16`` warns (`kvlib.prepack.SlowBF16Warning`):
     fp32 is faster there. Other dtypes and devices are never packed.
     """

@@ -85,18 +85,18 @@ def test_greedy_generation_runs_on_a_packed_smollm2_like_model():
 def test_what_prepack_refuses():
     with pytest.raises(TypeError, match="kvlib Transformer"):
         prepack_weights(torch.nn.Linear(4, 4))
-    fp32 = tiny(True).float()
-    with pytest.raises(ValueError, match="bf16 models on the CPU, got torch.float32"):
-        prepack_weights(fp32)
+    fp16 = tiny(True).half()
+    with pytest.raises(ValueError, match="bf16 or fp32 models on the CPU, got torch.float16"):
+        prepack_weights(fp16)
     inv = tiny(True)
     inv.set_batch_invariant(True)
     with pytest.raises(ValueError, match="batch-invariant"):
         prepack_weights(inv)
-    with pytest.raises(ValueError, match="bf16 weights on the CPU, got torch.float32"):
-        PackedLinear(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="bf16 or fp32 weights on the CPU, got torch.float16"):
+        PackedLinear(torch.randn(8, 8).half())
     with pytest.raises(ValueError, match="2-D"):
         PackedLinear(torch.randn(8).to(BF16))
-    with pytest.raises(ValueError, match="bf16 rows"):
+    with pytest.raises(ValueError, match="multiplies torch.bfloat16 rows"):
         PackedLinear(torch.randn(8, 8).to(BF16))(torch.randn(1, 8))
     with pytest.raises(RuntimeError, match="keep_rows"):
         PackedLinear(torch.randn(8, 8).to(BF16)).embedding_rows(torch.tensor([0]))

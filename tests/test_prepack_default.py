@@ -34,7 +34,7 @@ def tiny(tie: bool = True) -> Transformer:
 
 @pytest.mark.parametrize("bf16_path", [True, False])
 def test_the_rule_packs_bf16_on_the_cpu_where_oneDNN_can(no_env, monkeypatch, bf16_path):
-    monkeypatch.setattr(prepack, "available", lambda: bf16_path)
+    monkeypatch.setattr(prepack, "available", lambda dtype=BF16: bf16_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowBF16Warning)
         assert use_prepack(None, BF16, None) is bf16_path
@@ -51,7 +51,7 @@ def test_the_rule_packs_bf16_on_the_cpu_where_oneDNN_can(no_env, monkeypatch, bf
 
 
 def test_bf16_without_a_bf16_path_warns_that_fp32_is_faster(no_env, monkeypatch):
-    monkeypatch.setattr(prepack, "available", lambda: False)
+    monkeypatch.setattr(prepack, "available", lambda dtype=BF16: False)
     with pytest.warns(SlowBF16Warning, match="several times slower than fp32") as record:
         assert use_prepack(None, BF16, "cpu") is False
     assert issubclass(SlowBF16Warning, UserWarning) and "dtype=torch.float32" in str(record[0].message)
@@ -60,22 +60,23 @@ def test_bf16_without_a_bf16_path_warns_that_fp32_is_faster(no_env, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning where bf16 was not asked for, or where it is fast
         use_prepack(None, torch.float32, "cpu")
-        monkeypatch.setattr(prepack, "available", lambda: True)
+        monkeypatch.setattr(prepack, "available", lambda dtype=BF16: True)
         use_prepack(None, BF16, "cpu")
 
 
 def test_what_the_rule_refuses(no_env, monkeypatch):
-    monkeypatch.setattr(prepack, "available", lambda: True)
-    with pytest.raises(ValueError, match="prepack=True cannot be honoured: it packs bf16 models on the CPU, "
-                                         "got torch.float32"):
-        use_prepack(True, torch.float32, "cpu")
+    monkeypatch.setattr(prepack, "available", lambda dtype=BF16: True)
+    with pytest.raises(ValueError, match="prepack=True cannot be honoured: it packs bf16 or fp32 models on the "
+                                         "CPU, got torch.float16"):
+        use_prepack(True, torch.float16, "cpu")
+    assert use_prepack(True, torch.float32, "cpu") and not use_prepack(None, torch.float32, "cpu")  # asked only
     with pytest.raises(TypeError, match="prepack must be True, False or None, got 'yes'"):
         use_prepack("yes", BF16, "cpu")
     monkeypatch.setenv(prepack.ENV, "off")
     with pytest.raises(ValueError, match="KVLIB_PREPACK must be 0 .* or 1 .*, got 'off'"):
         use_prepack(None, BF16, "cpu")
     monkeypatch.delenv(prepack.ENV)
-    monkeypatch.setattr(prepack, "available", lambda: False)
+    monkeypatch.setattr(prepack, "available", lambda dtype=BF16: False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowBF16Warning)
         with pytest.raises(ValueError, match="no bf16 path to pack for"):
