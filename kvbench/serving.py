@@ -22,7 +22,8 @@ backend runs every dense projection through oneDNN's matmul on a weight reordere
 load (``create_onednn_mm`` in ``dispatch_cpu_unquantized_gemm``), where kvlib's ``x @ W`` calls
 the BLAS library: `kvlib.prepack` packs the fp32 weights the same way. And vLLM compiles its
 model around attention: with ``compiled=True`` (``--compile``) the Engine runs once more with its
-blocks compiled piecewise (`kvlib.piecewise`), and the first run's extra time is the compilation.
+blocks compiled piecewise (`kvlib.piecewise`), and the first run's extra time is the compilation
+(shorter where inductor's on-disk cache already holds these pieces from an earlier run).
 """
 
 from __future__ import annotations
