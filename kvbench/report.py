@@ -159,18 +159,14 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
                          f"K/V copied per step {v['kv_bytes_copied_per_step'] / 2**20:.1f} MiB varlen, "
                          f"{v['kv_bytes_copied_per_step_masked'] / 2**20:.1f} MiB masked; masked tokens same "
                          f"{v['identical_requests_masked']}/{v['requests']}"))
-        if "kvlib_packed_tok_s" in v:
-            rows.append(("vs vLLM", "Engine: fp32 weights prepacked / plain",
-                         f"packed {v['kvlib_packed_tok_s']:.1f} tok/s", f"plain {v['kvlib_tok_s']:.1f}",
-                         f"{v['packed_vs_eager']:.2f}x", f"oneDNN's kernel, as vLLM runs its projections; against "
-                         f"vLLM compiled {v['vs_compiled_packed']:.2f}x; tokens same {v['identical_requests_packed']}/"
-                         f"{v['requests']}"))
-        if "kvlib_compiled_tok_s" in v:
-            rows.append(("vs vLLM", "Engine: blocks compiled piecewise / eager",
-                         f"compiled {v['kvlib_compiled_tok_s']:.1f} tok/s", f"eager {v['kvlib_tok_s']:.1f}",
-                         f"{v['compiled_vs_eager']:.2f}x", f"compile {v['compile_s']:.1f} s; against vLLM compiled "
-                         f"{v['vs_compiled_compiled']:.2f}x; tokens same {v['identical_requests_compiled']}/"
-                         f"{v['requests']}"))
+        levers = (("packed", "fp32 weights prepacked / plain", "oneDNN's kernel, as vLLM runs its projections; "),
+                  ("compiled", "blocks compiled piecewise / eager", f"compile {v.get('compile_s', 0):.1f} s; "))
+        for key, case, what in levers:  # each lever beside the plain Engine, where it was measured
+            if f"kvlib_{key}_tok_s" in v:
+                rows.append(("vs vLLM", f"Engine: {case}", f"{key} {v[f'kvlib_{key}_tok_s']:.1f} tok/s",
+                             f"plain {v['kvlib_tok_s']:.1f}", f"{v[f'{key}_vs_eager']:.2f}x",
+                             f"{what}against vLLM compiled {v[f'vs_compiled_{key}']:.2f}x; tokens same "
+                             f"{v[f'identical_requests_{key}']}/{v['requests']}"))
         if "shares" in v:
             rows.append(("vs vLLM", "kvlib's time, profiled", f"copies {v['shares']['cache copies']:.0%}",
                          f"matmuls {v['shares']['matmuls']:.0%}", f"attention {v['shares']['attention']:.0%}",
