@@ -167,10 +167,12 @@ def table_rows(r: dict, plan: Plan) -> list[tuple[str, ...]]:
                              f"plain {v['kvlib_tok_s']:.1f}", f"{v[f'{key}_vs_eager']:.2f}x",
                              f"{what}against vLLM compiled {v[f'vs_compiled_{key}']:.2f}x; tokens same "
                              f"{v[f'identical_requests_{key}']}/{v['requests']}"))
-        if "shares" in v:
-            rows.append(("vs vLLM", "kvlib's time, profiled", f"copies {v['shares']['cache copies']:.0%}",
-                         f"matmuls {v['shares']['matmuls']:.0%}", f"attention {v['shares']['attention']:.0%}",
-                         f"the rest {v['shares']['the rest']:.0%}; copies: gathering blocks, writing new keys"))
+        for key, which in (("shares", "kvlib's time, profiled"), ("shares_packed", "packed Engine, profiled")):
+            if key in v:
+                sh = v[key]
+                rows.append(("vs vLLM", which, f"copies {sh['cache copies']:.0%}", f"matmuls {sh['matmuls']:.0%}",
+                             f"attention {sh['attention']:.0%}",
+                             f"the rest {sh['the rest']:.0%}; copies: gathering blocks, writing new keys"))
     for n, t in r.get("threads", {}).items():  # (m)
         one = r["threads"]["1"]
         rows.append(("threads", f"{n}, decode context {plan.contexts[0]}", f"{t['decode_ms']:.1f} ms",
@@ -202,6 +204,10 @@ def _engine_why(v: dict, r: dict) -> str:
     if "packed_vs_eager" in v:
         text += (f"; with its fp32 weights prepacked for oneDNN, as vLLM runs its projections, the Engine ran "
                  f"{v['packed_vs_eager']:.2f}x its plain speed ({v['vs_compiled_packed']:.2f}x vLLM compiled)")
+    if "shares_packed" in v:
+        sh = v["shares_packed"]
+        text += (f", and its time went to matmuls {sh['matmuls']:.0%}, attention {sh['attention']:.0%}, cache "
+                 f"copies {sh['cache copies']:.0%}, everything else {sh['the rest']:.0%}")
     if "compiled_vs_eager" in v:
         text += (f"; its blocks compiled piecewise ran {v['compiled_vs_eager']:.2f}x eager (compile "
                  f"{v['compile_s']:.0f} s), compiling fuses what lies between the matmuls and leaves them to the same kernel")
