@@ -13,6 +13,7 @@ before the rest. The exit status is 1 if any token sequences that must agree did
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ import sys
 import torch
 
 from kvlib.data import tiny_shakespeare
+from kvlib.prepack import available as prepack_available, prepack_weights
 from kvlib.pretrained import load_smollm2
 from kvlib.validate import positive_int
 from .compiled import compiled_step
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             text_ids = tok.encode(tiny_shakespeare("val"))
             r["chunked_masked"] = bench_chunked_prefill(model, text_ids, varlen=False)  # the row under a mask
             r["chunked"] = bench_chunked_prefill(model, text_ids)  # varlen attention, the Engine's default
+            if model.dtype == torch.float32 and prepack_available(torch.float32):  # and fp32 packed, as vLLM runs
+                r["chunked_packed"] = bench_chunked_prefill(prepack_weights(copy.deepcopy(model)), text_ids)
         if args.invariant:
             print("(k) batch-invariant mode against the default kernels ...", flush=True)
             r["invariant"] = invariant_cost(model, ids, plan.contexts[0], plan.decode_steps // 4 or 1)

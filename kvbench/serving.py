@@ -23,7 +23,9 @@ load (``create_onednn_mm`` in ``dispatch_cpu_unquantized_gemm``), where kvlib's 
 the BLAS library: `kvlib.prepack` packs the fp32 weights the same way. And vLLM compiles its
 model around attention: with ``compiled=True`` (``--compile``) the Engine runs once more with its
 blocks compiled piecewise (`kvlib.piecewise`), and the first run's extra time is the compilation
-(shorter where inductor's on-disk cache already holds these pieces from an earlier run).
+(shorter where inductor's on-disk cache already holds these pieces from an earlier run). With
+both, a third copy pulls both levers at once, as vLLM's compiled mode does: packed weights, each
+product one opaque call in the compiled graph (``packed_compiled``).
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ def _shares(timed: dict, model: Transformer) -> dict:
     return {part: t / total for part, t in ms.items()}
 
 
-def _compiled(timed: dict, model: Transformer, theirs: dict) -> dict:
+def _compiled(timed: dict, model: Transformer, theirs: dict, key: str = "compiled") -> dict:
     """The same requests through a piecewise-compiled copy (`kvlib.piecewise.compile_blocks`): its
-    tokens/s on a second run, and the first run's extra wall time, which is the compilation."""
+    tokens/s on a second run, and the first run's extra wall time, which is the compilation;
+    ``key`` names the fields (``kvlib_{key}_tok_s``, ``compile_s`` or ``compile_s_{key}``, ...)."""
     comp = compile_blocks(copy.deepcopy(model))
     walls, runs = [], []
     for _ in range(2):
@@ -70,9 +73,9 @@ def _compiled(timed: dict, model: Transformer, theirs: dict) -> dict:
         walls.append(time.perf_counter() - t0)
     mine = runs[1]
     n_tok = sum(len(r["tokens"]) for r in mine["requests"].values())
-    return {"kvlib_compiled_tok_s": n_tok / mine["seconds"], "compile_s": walls[0] - walls[1],
-            "identical_requests_compiled": sum(mine["requests"][i]["tokens"] == r["tokens"]
-                                               for i, r in theirs.items())}
+    return {f"kvlib_{key}_tok_s": n_tok / mine["seconds"],
+            "compile_s" if key == "compiled" else f"compile_s_{key}": walls[0] - walls[1],
+            f"identical_requests_{key}": sum(mine["requests"][i]["tokens"] == r["tokens"] for i, r in theirs.items())}
 
 
 def _packed(timed: dict, model: Transformer, theirs: dict) -> dict:
@@ -90,7 +93,8 @@ def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool 
     eager and compiled runs; how many requests' tokens equal vLLM's; and (``shares``) the
     profiled share of kvlib's time in each part of `PARTS` (``"shares"``). An fp32 model runs once
     more with its weights prepacked for oneDNN (``packed_vs_eager``); ``compiled``: once more with its
-    blocks compiled piecewise (``compiled_vs_eager``, ``compile_s``)."""
+    blocks compiled piecewise (``compiled_vs_eager``, ``compile_s``), and with both
+    (``packed_compiled_vs_eager``)."""
     rec = load_record() if record is None else record
     scenario = next(s for s in rec["scenarios"] if s["name"] == "mixed")
     timed = {**scenario, "phases": scenario["phases"][:1]}  # the 16 mixed requests: the timed phase
@@ -118,6 +122,11 @@ def engine_vs_vllm(model: Transformer, record: dict | None = None, shares: bool 
         out |= _compiled(timed, model, theirs["mixed"]["requests"])
         out["compiled_vs_eager"] = out["kvlib_compiled_tok_s"] / out["kvlib_tok_s"]
         out["vs_compiled_compiled"] = out["kvlib_compiled_tok_s"] / out["vllm_compiled_tok_s"]
+        if "kvlib_packed_tok_s" in out:  # both levers, as vLLM's compiled mode runs
+            out |= _compiled(timed, prepack_weights(copy.deepcopy(model)), theirs["mixed"]["requests"],
+                             "packed_compiled")
+            out["packed_compiled_vs_eager"] = out["kvlib_packed_compiled_tok_s"] / out["kvlib_tok_s"]
+            out["vs_compiled_packed_compiled"] = out["kvlib_packed_compiled_tok_s"] / out["vllm_compiled_tok_s"]
     if shares:
         out["shares"] = _shares(timed, model)
         if "kvlib_packed_tok_s" in out:  # where the packed Engine's time goes: the gap left to vLLM

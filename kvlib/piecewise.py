@@ -26,8 +26,11 @@ compiled at all. So it helps where a step is dispatch-bound (one token, a small 
 little where the matrix products dominate, as in a decode step at batch 16
 (``python -m kvbench --compile`` measures both, section (l)).
 
-Only plain fp32/bf16 `Linear` layers are compiled this way: a prepacked, quantized or
-batch-invariant model raises, naming what to undo. `decompile_blocks` restores the eager
+A prepacked model (`kvlib.prepack`) compiles too, as vLLM's CPU backend compiles around its
+oneDNN products: a `PackedLinear`'s weight is an opaque oneDNN tensor that the compiler cannot
+trace, so its product enters the graph as one opaque call, the custom operator
+``kvlib::packed_linear`` (registered here, with the output shape the compiler traces with); the
+norms, RoPE, SiLU and residuals around it are compiled and fused as for a plain model. A quantized or batch-invariant model raises, naming what to undo. `decompile_blocks` restores the eager
 blocks. Logits agree with the eager model's to float rounding (the fused loops may sum in
 another order), so greedy tokens agree wherever the two best logits are not within rounding.
 """
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 
 from .attention import attend
 from .model import Block, Linear, Transformer
+from .prepack import PackedLinear
 from .rope import apply_rope
 
 __all__ = ["compile_blocks", "decompile_blocks", "is_compiled"]
@@ -54,35 +58,66 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def before_attention(x: torch.Tensor, norm_w: torch.Tensor, wqkv: torch.Tensor, cos: torch.Tensor,
+@torch.library.custom_op("kvlib::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """oneDNN's product of ``(M, in)`` rows by a `PackedLinear`'s packed weight -> ``(M, out)``.
+
+    A custom operator, opaque to the compiler (as vLLM registers its oneDNN matmul): the graph
+    holds one call to it and does not break there, and the compiled loops around it are fused."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)  # the shape the compiler traces with
+
+
+def _packed_product(h: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+    y = packed_linear(h.reshape(-1, layer.in_features), layer.packed, layer.out_features)
+    return y.view(*h.shape[:-1], layer.out_features)
+
+
+Weight = torch.Tensor | PackedLinear  # a plain (in, out) matrix, or a prepacked layer
+
+
+def _product(h: torch.Tensor, w: Weight) -> torch.Tensor:
+    """``h @ w``: traced into the graph for a plain matrix, left out of it for a packed layer."""
+    return h @ w if isinstance(w, torch.Tensor) else _packed_product(h, w)
+
+
+def before_attention(x: torch.Tensor, norm_w: torch.Tensor, wqkv: Weight, cos: torch.Tensor,
                      sin: torch.Tensor, *, eps: float, heads: tuple[int, int, int]):
     """``x`` ``(B, T, d_model)`` -> ``q`` ``(B, H, T, D)``, ``k``, ``v`` ``(B, H_kv, T, D)``."""
     H, H_kv, D = heads
     B, T, _ = x.shape
     h = _rms_norm(x, norm_w, eps)
-    qkv = (h @ wqkv).view(B, T, H + 2 * H_kv, D)  # [q | k | v] heads
+    qkv = _product(h, wqkv).view(B, T, H + 2 * H_kv, D)  # [q | k | v] heads
     qk = apply_rope(qkv[:, :, : H + H_kv], cos, sin)
     return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + H_kv :].transpose(1, 2)
 
 
-def after_attention(x: torch.Tensor, y: torch.Tensor, wo: torch.Tensor, norm_w: torch.Tensor,
-                    w_gate_up: torch.Tensor, w_down: torch.Tensor, *, eps: float) -> torch.Tensor:
+def after_attention(x: torch.Tensor, y: torch.Tensor, wo: Weight, norm_w: torch.Tensor,
+                    w_gate_up: Weight, w_down: Weight, *, eps: float) -> torch.Tensor:
     """``x`` ``(B, T, d_model)`` and attention's ``y`` ``(B, H, T, D)`` -> the block's output."""
     B, T, _ = x.shape
-    x = x + y.transpose(1, 2).reshape(B, T, -1) @ wo
+    x = x + _product(y.transpose(1, 2).reshape(B, T, -1), wo)
     h = _rms_norm(x, norm_w, eps)
-    gate, up = (h @ w_gate_up).chunk(2, dim=-1)
-    return x + (F.silu(gate) * up) @ w_down
+    gate, up = _product(h, w_gate_up).chunk(2, dim=-1)
+    return x + _product(F.silu(gate) * up, w_down)
+
+
+def _weight(layer: Linear | PackedLinear) -> Weight:
+    return layer.weight if type(layer) is Linear else layer
 
 
 def _piecewise_forward(block: Block, before: Callable, after: Callable, x, cos, sin, cache, mask):
-    a = block.attn
-    q, k, v = before(x, block.attn_norm.weight, a.wqkv.weight, cos, sin)
+    a, m = block.attn, block.mlp
+    q, k, v = before(x, block.attn_norm.weight, _weight(a.wqkv), cos, sin)
     if cache is None:
         y = attend(q, k, v, mask, a.impl)
     else:  # the seam: the cache and its attention stay eager
         y = cache.update_and_attend(q, k, v, a.layer, mask, a.impl)
-    return after(x, y, a.wo.weight, block.mlp_norm.weight, block.mlp.w_gate_up.weight, block.mlp.w_down.weight)
+    return after(x, y, _weight(a.wo), block.mlp_norm.weight, _weight(m.w_gate_up), _weight(m.w_down))
 
 
 def _check(model: Transformer) -> None:
@@ -97,9 +132,9 @@ def _check(model: Transformer) -> None:
                              "compiles SmolLM2-style blocks only")
         for name in ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down"):
             layer = block.get_submodule(name)
-            if type(layer) is not Linear:
-                raise ValueError(f"layers.{i}.{name} is a {type(layer).__name__}, not a plain Linear: compile "
-                                 "the plain model (kvlib.prepack.unpack_weights, or load it unquantized)")
+            if type(layer) not in (Linear, PackedLinear):
+                raise ValueError(f"layers.{i}.{name} is a {type(layer).__name__}, not a plain or prepacked "
+                                 "Linear: compile the model loaded unquantized")
 
 
 def compile_blocks(model: Transformer, dynamic: bool = True) -> Transformer:

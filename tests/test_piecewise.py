@@ -93,3 +93,43 @@ def test_what_cannot_be_compiled_is_refused_unchanged():
     assert not is_compiled(m)
     with pytest.raises(TypeError, match="kvlib Transformer"):
         compile_blocks(torch.nn.Linear(2, 2))
+
+
+@torch.inference_mode()
+def test_a_prepacked_model_compiles_around_its_onednn_products():
+    """fp32 weights packed for oneDNN: each packed product is one opaque call in the graph (the
+    custom operator), four a block a forward, and the logits and Engine tokens are the packed
+    eager model's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvlib.prepack import available, prepack_weights
+    if not available(torch.float32):
+        pytest.skip("this PyTorch build has no oneDNN packed-linear ops")
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128, vocab_size=97, max_seq_len=64)
+    eager = Transformer(cfg)
+    eager.reset_parameters(seed=3, std=0.2)
+    eager = prepack_weights(eager.eval())
+    comp = compile_blocks(copy.deepcopy(eager))
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func in (torch.ops.kvlib.packed_linear.default, torch.ops.mkldnn._linear_pointwise.default)
+            return func(*args, **(kwargs or {}))
+
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    caches = DynamicCache(2), DynamicCache(2)
+    for step in (tokens[:, :6], tokens[:, 6:7], tokens[:, 7:9]):
+        torch.testing.assert_close(comp(step, caches[1]), eager(step, caches[0]), **TOL)
+    with Count():
+        comp(tokens[:, 8:9], caches[1])
+    assert Count.n == 4 * 2 + 1  # wqkv, wo, w_gate_up, w_down in each block, and the tied head
+    prompts = [[5, 9, 14], [3, 1, 4, 1, 5, 9, 2, 6], [7]]
+    outs = []
+    for model in (eager, comp):
+        eng = Engine(model, PagedCache.for_model(model, num_blocks=16, block_size=4), token_budget=6)
+        for p in prompts:
+            eng.add(p, max_new_tokens=5)
+        outs.append(eng.run())
+    assert outs[0] == outs[1]
