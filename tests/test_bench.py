@@ -117,3 +117,31 @@ def test_every_target_chapter_11_makes_says_why_when_it_misses():
             assert t["why"] is None, t
     names = {t["claim"].split(" >=")[0].split(" <=")[0] for t in r["targets"]}
     assert "kvlib best decode / llama.cpp on the same weights" in names
+
+
+def test_the_engine_targets_read_the_engine_as_vllm_runs_it_where_measured():
+    """With both levers measured, the >= 1.0 target reads the packed and compiled Engine, and the
+    pause target the packed Engine's pause; the report shows both rows. Without, the older fields."""
+    import copy
+
+    from kvbench import load_record
+    from kvbench.plan import FULL
+    from kvbench.report import table_rows, targets
+
+    r = copy.deepcopy(load_record())
+    claim = lambda ts, start: next(t for t in ts if t["claim"].startswith(start))  # noqa: E731
+    before = targets(r, FULL)
+    assert claim(before, "kvlib Engine, fp32")["measured"] == r["serving"]["vs_compiled_packed"]
+    v = r["serving"]
+    v |= {"kvlib_packed_compiled_tok_s": 123.0, "packed_compiled_vs_eager": 1.27, "compile_s_packed_compiled": 2.5,
+          "vs_compiled_packed_compiled": 0.61, "identical_requests_packed_compiled": v["requests"]}
+    r["chunked_packed"] = dict(r["chunked"], max_pause_ms=0.5 * r["chunked_masked"]["max_pause_ms"])
+    after = targets(r, FULL)
+    assert claim(after, "kvlib Engine, fp32")["measured"] == 0.61
+    pause = claim(after, "longest pause")
+    assert pause["measured"] == 0.5 and pause["pass"] is True and "prepacked" in pause["claim"]
+    v["identical_requests_packed_compiled"] -= 1  # a request whose tokens differ fails the target
+    assert claim(targets(r, FULL), "kvlib Engine, fp32")["pass"] is False
+    rows = [" ".join(map(str, row)) for row in table_rows(r, FULL)]
+    assert any("prepacked and compiled / plain" in row and "123.0 tok/s" in row for row in rows)
+    assert any("varlen, fp32 prepacked / masked row" in row and "0.50x" in row for row in rows)
