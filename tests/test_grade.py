@@ -274,14 +274,14 @@ def test_positions_grader_fails_positions_that_start_at_1_and_bad_returns():
 # -- 5. attention over a cache ------------------------------------------------------------------------------
 def test_attention_grader_passes_kvlib_s_bottom_right_mask():
     grade = grade_attention(lambda q, k, v: attention(q, k, v, causal_mask(q.shape[2], k.shape[2])))
-    assert grade.checked == ("prefill (Tq=5, Tk=5)", "step (Tq=1, Tk=6)", "chunk (Tq=3, Tk=7)") and grade
+    assert grade.checked == ("prefill (Tq=5, Tk=5)", "decode step (Tq=1, Tk=6)", "chunk (Tq=3, Tk=7)") and grade
 
 
 def test_attention_grader_fails_is_causal_on_a_decode_step_after_passing_the_prefill():
     grade = grade_attention(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     fails(grade, "equals kvlib.attention: on a decode step (Tq=1, the last of Tk=6 keys",
           "query 0 (at position 5) differs by", "(tolerance 1e-05)")
-    assert grade.checked == ("prefill (Tq=5, Tk=5)", "step (Tq=1, Tk=6)")
+    assert grade.checked == ("prefill (Tq=5, Tk=5)", "decode step (Tq=1, Tk=6)")
 
 
 def test_attention_grader_fails_a_top_left_mask_on_the_chunk():

@@ -94,7 +94,7 @@ def grade_attention(fn: Callable[..., torch.Tensor]) -> Grade:
         g = torch.Generator().manual_seed(10 + i)
         q, k, v = (torch.randn(B, H, T, D, generator=g) for T in (Tq, Tk, Tk))
         want = attention(q, k, v, causal_mask(Tq, Tk))  # (B, H, Tq, D)
-        checked.append(f"{case.split()[-1]} (Tq={Tq}, Tk={Tk})")
+        checked.append(f"{case.removeprefix('a ')} (Tq={Tq}, Tk={Tk})")
         on = f"{case} (Tq={Tq}, the last of Tk={Tk} keys; q {tuple(q.shape)}, k and v {tuple(k.shape)})"
         try:
             got = fn(q.clone(), k.clone(), v.clone())
