@@ -48,7 +48,7 @@ _SUBMODULES = (
     "hardware", "hf", "invariant", "kernels", "layers", "memory", "mla", "needle", "numerics", "packed", "paged",
     "fp8", "press", "pretrained", "quant", "radix",
     "scheduler",
-    "simulate", "speculative", "timing", "validate", "wquant",
+    "simulate", "speculative", "timing", "validate", "wquant", "grade",
 )
 
 _moved.install()  # the tooling's old names (kvlib.book, ...) for one version: kvlib 0.6 drops them

@@ -1,7 +1,8 @@
 """Paged KV memory (vLLM's PagedAttention), one idea per module:
 
 * `kvlib.paged.blocks`: `BlockAllocator`, the block ids, free list, reference counts and
-  prefix index (a hash chain over full blocks); `OutOfBlocks`. No tensors.
+  prefix index (a hash chain over full blocks); `OutOfBlocks`; `check_block_tables`, whether a set of
+  block tables and the reference counts agree (`BlockTableError` if not). No tensors.
 * `kvlib.paged.cache`: `PagedCache`, the per-layer pools and each sequence's block table:
   ``add``, ``fork`` (copy-on-write), ``truncate``, ``free``, and ``step``.
 * `kvlib.paged.batch`: `slot_mapping`, `gather`, and the `kvlib.Cache` one forward runs
@@ -24,13 +25,13 @@ is that module, so ``from kvlib.paged.replay import replay, validate``.
 """
 
 from .batch import PackedPagedBatch, PagedBatch, StepPool, gather, slot_mapping
-from .blocks import BlockAllocator, OutOfBlocks, chain_hash
+from .blocks import BlockAllocator, BlockTableError, OutOfBlocks, chain_hash, check_block_tables
 from .cache import PagedCache
 from .hybrid import HybridBlockPool, KVGroup, blocks_held, kv_groups
 from .kernel import paged_attention_loop
 from .trace import PoolTrace
 from .varlen import VarlenPlan, paged_varlen_attention
 
-__all__ = ["BlockAllocator", "HybridBlockPool", "KVGroup", "OutOfBlocks", "PackedPagedBatch", "PagedBatch", "PagedCache",
-           "PoolTrace", "StepPool", "VarlenPlan", "chain_hash", "gather", "blocks_held", "kv_groups",
-           "paged_attention_loop", "paged_varlen_attention", "slot_mapping"]
+__all__ = ["BlockAllocator", "BlockTableError", "HybridBlockPool", "KVGroup", "OutOfBlocks", "PackedPagedBatch",
+           "PagedBatch", "PagedCache", "PoolTrace", "StepPool", "VarlenPlan", "chain_hash", "check_block_tables",
+           "gather", "blocks_held", "kv_groups", "paged_attention_loop", "paged_varlen_attention", "slot_mapping"]

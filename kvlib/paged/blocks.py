@@ -11,7 +11,7 @@ the hash of their tokens *and every token before them* (prefix caching).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..validate import positive_int
@@ -240,3 +240,74 @@ class BlockAllocator:
             for b in blocks:
                 if self._sealed[b].hash != h:
                     raise AssertionError(f"index entry {h} points at block {b}, which does not hold it")
+
+
+# -- the tables over the pool ---------------------------------------------------------------------
+class BlockTableError(AssertionError):
+    """A set of block tables and the allocator they draw from disagree (`check_block_tables`)."""
+
+
+def _holders(n: int, entries: int) -> str:
+    """``"1 table holds it"``, ``"2 tables hold it"``, or, when a table lists a block twice, entries."""
+    if entries != n:
+        return f"{entries} table entries hold it"
+    return "no table holds it" if n == 0 else f"{n} table{'s' if n != 1 else ''} hold{'s' if n == 1 else ''} it"
+
+
+def check_block_tables(allocator: BlockAllocator, tables: Mapping[str, Sequence[int]]) -> None:
+    """Raise `BlockTableError` unless ``tables`` (every block table over ``allocator``'s pool,
+    by sequence name) and the allocator's reference counts tell the same story:
+
+    1. the allocator's own bookkeeping holds (`BlockAllocator.check`);
+    2. every block a table holds is in use (reference count > 0): a free block can be handed
+       to another sequence while this one still reads it;
+    3. each block's reference count equals the number of table entries holding it: one more
+       and the block never returns to the free list (a leak); one fewer and freeing one
+       table frees it under another.
+
+    Example
+
+    >>> from kvlib.paged import BlockAllocator, check_block_tables
+    >>> pool = BlockAllocator(num_blocks=8, block_size=4)
+    >>> parent = [pool.allocate() for _ in range(3)]
+    >>> pool.share(parent[0]); pool.share(parent[1])  # a fork: the full blocks are shared ...
+    >>> child = parent[:2] + [pool.allocate()]  # ... and the partial last one copied
+    >>> check_block_tables(pool, {"parent": parent, "child": child})  # consistent: returns None
+    >>> check_block_tables(pool, {"parent": parent})
+    Traceback (most recent call last):
+    ...
+    kvlib.paged.blocks.BlockTableError: block 0 has reference count 2 but 1 table holds it: ...
+    """
+    if not isinstance(allocator, BlockAllocator):
+        raise TypeError(f"allocator must be a kvlib.paged.BlockAllocator, got {type(allocator).__name__}")
+    if not isinstance(tables, Mapping):
+        raise TypeError(f"tables must map a sequence's name to its block table, got {type(tables).__name__}")
+    for name, table in tables.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tables are named by str, got {type(name).__name__} {name!r}")
+        if not isinstance(table, Sequence) or isinstance(table, (str, bytes)):
+            raise TypeError(f"table {name!r} must be a list of block ids, got {type(table).__name__}")
+    try:
+        allocator.check()
+    except AssertionError as e:
+        raise BlockTableError(f"the allocator's own bookkeeping is inconsistent: {e}") from e
+    entries: dict[int, int] = {}  # block -> table entries holding it
+    holders: dict[int, set[str]] = {}  # block -> names of the tables holding it
+    for name, table in tables.items():
+        for block in table:
+            if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block < allocator.num_blocks:
+                raise BlockTableError(f"table {name!r} holds {block!r}, which is not a block of this pool "
+                                      f"(ids 0..{allocator.num_blocks - 1})")
+            if allocator.refcount[block] == 0:
+                raise BlockTableError(f"table {name!r} holds block {block}, which is free (its reference count is "
+                                      f"0): it can be handed to another sequence while this one reads it")
+            entries[block] = entries.get(block, 0) + 1
+            holders.setdefault(block, set()).add(name)
+    for block in range(allocator.num_blocks):
+        count, held = allocator.refcount[block], entries.get(block, 0)
+        if count == held:
+            continue
+        why = ("it will never return to the free list" if count > held else
+               f"freeing one will free it under the other{'s' if held - count > 1 else ''}")
+        raise BlockTableError(f"block {block} has reference count {count} but "
+                              f"{_holders(len(holders.get(block, ())), held)}: {why}")
