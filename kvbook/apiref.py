@@ -38,11 +38,11 @@ from kvbook.docstrings import link_docstrings
 # (slug, title, chapters that teach it, modules, one line on what the page holds)
 KVLIB_GROUPS = [
     ("model", "The model and its caches", ["ch01_naive", "ch02_prefill_decode", "ch02b_numerics",
-                                            "ch03_where_cache_lives"],
+                                            "ch03_where_cache_lives", "ch14_find_the_bug"],
      ["kvlib", "kvlib.config", "kvlib.model", "kvlib.rope", "kvlib.attention", "kvlib.generate", "kvlib.sampling",
       "kvlib.cache", "kvlib.cache.protocol", "kvlib.cache.dynamic", "kvlib.cache.static", "kvlib.check",
-      "kvlib.numerics", "kvlib.invariant", "kvlib.pretrained", "kvlib.hf", "kvlib.data", "kvlib.chat"],
-     "the decoder, the generation loops, the cache protocol and its two plain caches, and the checks"),
+      "kvlib.grade", "kvlib.grade.result", "kvlib.grade.storage", "kvlib.grade.compute", "kvlib.numerics", "kvlib.invariant", "kvlib.pretrained", "kvlib.hf", "kvlib.data", "kvlib.chat"],
+     "the decoder, the generation loops, the cache protocol and its two plain caches, the checks and graders"),
     ("sizes", "Sizes, costs and hardware", ["ch04_how_big", "ch05_step_time"],
      ["kvlib.memory", "kvlib.cost", "kvlib.hardware"],
      "how many bytes a cache takes, what a step costs, and what a machine can do"),

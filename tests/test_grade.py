@@ -14,7 +14,6 @@ from kvlib.grade import (Grade, grade_attention, grade_cache, grade_fork, grade_
                          grade_logits_vs_recompute, grade_positions, grade_window_cache)
 from kvlib.layers import tokens_held
 from kvlib.memory import kv_cache_bytes
-from kvlib.padding import position_ids
 from kvlib.paged import BlockAllocator, BlockTableError, check_block_tables
 from kvlib.speculative import PromptLookupDraft
 
@@ -247,27 +246,34 @@ def test_window_grader_reports_a_crash_and_refuses_bad_arguments():
 
 
 # -- 4. positions for a left-padded batch -------------------------------------------------------------------
-def test_positions_grader_passes_kvlib_s_position_ids():
-    grade = grade_positions(position_ids)
+def real_tokens(valid):
+    return valid.sum(dim=-1, keepdim=True)  # (B, 1): each row's next position
+
+
+def test_positions_grader_passes_each_rows_count_of_real_tokens():
+    grade = grade_positions(real_tokens)
     assert grade and grade.checked[1:] == ("row 0 (0 pads)", "row 1 (2 pads)", "row 2 (5 pads)", "row 3 (1 pads)")
+    assert grade_positions(lambda valid: valid.sum(dim=-1))  # (B,) is taken too
 
 
-def test_positions_grader_fails_arange_on_the_first_padded_row():
-    fails(grade_positions(lambda valid: torch.arange(valid.shape[1]).expand(*valid.shape)),
-          "each row as if alone: on a left-padded batch of 4 rows (6, 4, 1, 5 real tokens), then 2 decode steps",
+def test_positions_grader_fails_the_caches_length_on_the_first_padded_row():
+    """unsloth#3699: the decode step at the cache's length, one position for every row."""
+    fails(grade_positions(lambda valid: torch.full((valid.shape[0], 1), valid.shape[1])),
+          "each row as if alone: on a left-padded batch of 4 rows (6, 4, 1, 5 real tokens), prefilled at each "
+          "row's own positions, then 2 decode steps",
           "row 1 (2 pads on the left): its logits differ from the row run alone by",
-          "at its token 4 (decode step 1, at position 4; tolerance 1e-05)")
+          "at its token 4 (decode step 1; tolerance 1e-05)")
 
 
-def test_positions_grader_fails_positions_that_start_at_1_and_bad_returns():
-    fails(grade_positions(lambda valid: valid.long().cumsum(-1)), "each row as if alone",
-          "row 0 (0 pads on the left)")
-    fails(grade_positions(lambda valid: valid.float().cumsum(-1) - 1), "positions: on a left-padded batch",
-          "returned torch.float32 of shape (4, 6), not a (4, 6) integer tensor")
-    fails(grade_positions(lambda valid: valid.sum(-1)), "returned torch.int64 of shape (4,)")
+def test_positions_grader_fails_an_off_by_one_and_bad_returns():
+    fails(grade_positions(lambda valid: real_tokens(valid) - 1), "each row as if alone",
+          "row 0 (0 pads on the left)", "(decode step 1;")
+    fails(grade_positions(lambda valid: real_tokens(valid).float()), "positions: on a left-padded batch",
+          "at decode step 1 your function returned torch.float32 of shape (4, 1), not a (4, 1) integer tensor")
+    fails(grade_positions(lambda valid: valid.long().cumsum(-1)), "returned torch.int64 of shape (4, 6)")
     fails(grade_positions(lambda valid: valid.cumsum(0, 1)), "positions: on a left-padded batch",
           "your function raised")
-    with pytest.raises(TypeError, match="fn must be a function"):
+    with pytest.raises(TypeError, match="next_position must be a function"):
         grade_positions("cumsum")
 
 

@@ -11,7 +11,7 @@ from ..attention import attention, causal_mask
 from ..cache import Cache, DynamicCache
 from ..generate import generate_naive
 from ..model import Transformer
-from ..padding import pad
+from ..padding import pad, position_ids
 from .result import TINY, Grade, as_ints, fail, need_callable, need_float_dtype, raised, tiny_model
 
 __all__ = ["grade_attention", "grade_generation", "grade_logits_vs_recompute", "grade_positions"]
@@ -24,14 +24,14 @@ TOL = 1e-5  # fp32: two runs of the same row differ by rounding only, far below 
 
 
 @torch.no_grad()
-def grade_positions(fn: Callable[[torch.Tensor], torch.Tensor]) -> Grade:
-    """``fn(valid)`` for a left-padded batch (``valid`` ``(B, T)`` bool, True on real tokens) gives the
-    ``(B, T)`` int positions. The tiny seeded model (fp32) runs the batch with ``positions=fn(valid)``
-    and ``key_valid=valid``, then `DECODE_STEPS` decode steps, each row's new token at its own next
-    position (its number of tokens so far: where the row alone continues). Each row's logits, at
-    every real token, must equal that row's run alone, unpadded (within `TOL`). Pad slots' positions
-    are not graded (pads are masked out as keys)."""
-    need_callable("fn", fn, "a function fn(valid) -> positions")
+def grade_positions(next_position: Callable[[torch.Tensor], torch.Tensor]) -> Grade:
+    """``next_position(valid)``: the RoPE position of each row's next token in a left-padded batch,
+    ``(B, 1)`` ints, where ``valid`` ``(B, S)`` is True at the real tokens among the ``S`` keys the
+    cache holds (pads False). The tiny seeded model (fp32) prefills the batch at each row's own
+    positions (`kvlib.padding.position_ids`), then runs `DECODE_STEPS` decode steps at the
+    positions ``next_position`` gives. Each row's logits, at every real token and every step, must
+    equal that row's run alone, unpadded (within `TOL`): a row continues where it alone would."""
+    need_callable("next_position", next_position, "a function next_position(valid) -> (B, 1) positions")
     model, g = tiny_model(), torch.Generator().manual_seed(7)
     rows = [torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist() for n in ROW_LENGTHS]
     new = torch.randint(1, TINY.vocab_size, (len(rows), DECODE_STEPS), generator=g)  # (B, steps)
@@ -42,35 +42,33 @@ def grade_positions(fn: Callable[[torch.Tensor], torch.Tensor]) -> Grade:
                                [model(new[r : r + 1, s : s + 1], cache)[0] for s in range(DECODE_STEPS)]))
     ids, valid = pad(rows)  # (B, T) each, left-padded
     B, T = ids.shape
-    on = (f"a left-padded batch of {B} rows ({', '.join(map(str, ROW_LENGTHS))} real tokens), then {DECODE_STEPS} "
-          f"decode steps")
-    checked = ["positions (B, T)"]
-    try:
-        got = fn(valid.clone())
-    except Exception as e:
-        return fail("positions", checked, "positions", on, f"your function {raised(e)}")
-    if (not isinstance(got, torch.Tensor) or tuple(got.shape) != (B, T) or got.is_floating_point()
-            or got.dtype == torch.bool or got.is_complex()):
-        what = f"{got.dtype} of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
-        return fail("positions", checked, "positions", on, f"your function returned {what}, not a ({B}, {T}) "
-                    f"integer tensor")
-    cache, key_valid = DynamicCache(TINY.n_layer), valid
-    try:
-        steps = [model(ids, cache, positions=torch.where(valid, got.cpu().long(), 0), key_valid=valid)]  # (B, T, V)
-    except Exception as e:  # positions the model cannot take
-        return fail("positions", checked, "positions", on, f"the model run with your positions {raised(e)}")
+    on = (f"a left-padded batch of {B} rows ({', '.join(map(str, ROW_LENGTHS))} real tokens), prefilled at "
+          f"each row's own positions, then {DECODE_STEPS} decode steps")
+    checked = ["positions (B, 1)"]
+    cache = DynamicCache(TINY.n_layer)
+    steps = [model(ids, cache, positions=position_ids(valid), key_valid=valid)]  # (B, T, V)
+    key_valid = valid
     for s in range(DECODE_STEPS):
+        try:
+            got = next_position(key_valid.clone())
+        except Exception as e:
+            return fail("positions", checked, "positions", on, f"your function {raised(e)}")
+        if (not isinstance(got, torch.Tensor) or got.numel() != B or got.is_floating_point()
+                or got.dtype == torch.bool or got.is_complex()):
+            what = f"{got.dtype} of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            return fail("positions", checked, "positions", on, f"at decode step {s + 1} your function returned "
+                        f"{what}, not a ({B}, 1) integer tensor")
         key_valid = torch.cat([key_valid, torch.ones(B, 1, dtype=torch.bool)], dim=1)
-        own = torch.tensor(ROW_LENGTHS)[:, None] + s  # (B, 1): each row's next position
-        steps.append(model(new[:, s : s + 1], cache, positions=own, key_valid=key_valid))
+        steps.append(model(new[:, s : s + 1], cache, positions=got.cpu().long().reshape(B, 1),
+                           key_valid=key_valid))
     batch = torch.cat(steps, dim=1)  # (B, T + steps, vocab)
     for r, n in enumerate(ROW_LENGTHS):
         checked.append(f"row {r} ({T - n} pads)")
-        diff = (batch[r, T - n:] - alone[r]).abs().amax(dim=-1)  # (n + steps,): worst logit per token
+        diff = (batch[r, T - n :] - alone[r]).abs().amax(dim=-1)  # (n + steps,): worst logit per token
         bad = (~(diff <= TOL)).nonzero()
         if len(bad):
             i = int(bad[0])
-            where = "a prompt token" if i < n else f"decode step {i - n + 1}, at position {i}"
+            where = "a prompt token" if i < n else f"decode step {i - n + 1}"
             return fail("positions", checked, "each row as if alone", on,
                         f"row {r} ({T - n} pads on the left): its logits differ from the row run alone by "
                         f"{float(diff[i]):.1e} at its token {i} ({where}; tolerance {TOL:.0e})")
