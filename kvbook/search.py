@@ -67,6 +67,7 @@ CONCEPTS: dict[str, tuple[str, ...]] = {
                                      "row-parallel"),
     "book/ch13b_disaggregation": ("disaggregation", "disaggregated prefill", "prefill-decode disaggregation",
                                   "LMCache", "tiered cache", "KV cache transfer"),
+    "book/ch14_find_the_bug": ("find the bug", "debugging exercises", "grader", "KV cache bugs"),
 }
 
 

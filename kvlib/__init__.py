@@ -81,4 +81,4 @@ __all__ = [
     # generation
     "SamplingParams", "decode_step", "generate", "generate_naive", "prefill", "sample", "stream",
 ]
-__version__ = "0.5.5"
+__version__ = "0.6.0"

@@ -112,6 +112,8 @@ class PromptLookupDraft:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
 
     def propose(self, context_ids: list[int] | torch.Tensor, k: int) -> list[int]:
+        """Up to ``k`` tokens: those after the latest earlier match of the context's tail, fewer where
+        the match is near the end, and ``[]`` where the tail never occurred before."""
         ctx, k = _as_list(context_ids), positive_int("k", k)
         for n in range(min(self.ngram_max, len(ctx) - 1), self.ngram_min - 1, -1):
             tail = ctx[-n:]

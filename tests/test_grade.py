@@ -217,6 +217,8 @@ def test_window_grader_fails_a_cache_that_keeps_more_than_w_alive(cls):
     fails(grade, "holds at most W: on 32 tokens fed one at a time (window 8, 2 layers", "after 9 tokens",
           "kvlib.check.storage_bytes", "it holds 9 tokens' worth, the window is 8 (4,096 bytes)")
     assert grade.checked == ("attends to the last W", "holds at most W")
+    views = "the tensors it holds show only 8 tokens' worth: they are views into larger storage"
+    assert (views in grade.failure) == (cls is TrimsToAView)  # said only where a view is the cause
 
 
 def test_window_grader_fails_a_cache_that_counts_held_tokens_as_seen():
@@ -253,7 +255,7 @@ def real_tokens(valid):
 def test_positions_grader_passes_each_rows_count_of_real_tokens():
     grade = grade_positions(real_tokens)
     assert grade and grade.checked[1:] == ("row 0 (0 pads)", "row 1 (2 pads)", "row 2 (5 pads)", "row 3 (1 pads)")
-    assert grade_positions(lambda valid: valid.sum(dim=-1))  # (B,) is taken too
+
 
 
 def test_positions_grader_fails_the_caches_length_on_the_first_padded_row():
@@ -271,6 +273,7 @@ def test_positions_grader_fails_an_off_by_one_and_bad_returns():
     fails(grade_positions(lambda valid: real_tokens(valid).float()), "positions: on a left-padded batch",
           "at decode step 1 your function returned torch.float32 of shape (4, 1), not a (4, 1) integer tensor")
     fails(grade_positions(lambda valid: valid.long().cumsum(-1)), "returned torch.int64 of shape (4, 6)")
+    fails(grade_positions(lambda valid: valid.sum(dim=-1)), "returned torch.int64 of shape (4,), not a (4, 1)")
     fails(grade_positions(lambda valid: valid.cumsum(0, 1)), "positions: on a left-padded batch",
           "your function raised")
     with pytest.raises(TypeError, match="next_position must be a function"):

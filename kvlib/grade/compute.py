@@ -53,13 +53,13 @@ def grade_positions(next_position: Callable[[torch.Tensor], torch.Tensor]) -> Gr
             got = next_position(key_valid.clone())
         except Exception as e:
             return fail("positions", checked, "positions", on, f"your function {raised(e)}")
-        if (not isinstance(got, torch.Tensor) or got.numel() != B or got.is_floating_point()
+        if (not isinstance(got, torch.Tensor) or tuple(got.shape) != (B, 1) or got.is_floating_point()
                 or got.dtype == torch.bool or got.is_complex()):
             what = f"{got.dtype} of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
             return fail("positions", checked, "positions", on, f"at decode step {s + 1} your function returned "
                         f"{what}, not a ({B}, 1) integer tensor")
         key_valid = torch.cat([key_valid, torch.ones(B, 1, dtype=torch.bool)], dim=1)
-        steps.append(model(new[:, s : s + 1], cache, positions=got.cpu().long().reshape(B, 1),
+        steps.append(model(new[:, s : s + 1], cache, positions=got.cpu().long(),
                            key_valid=key_valid))
     batch = torch.cat(steps, dim=1)  # (B, T + steps, vocab)
     for r, n in enumerate(ROW_LENGTHS):

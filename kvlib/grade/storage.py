@@ -228,9 +228,13 @@ def grade_window_cache(make: Callable[..., Cache], window: int, tokens: int | No
                 allowed = min(sum(ints.values()), slack)
                 if held > W * per_token + allowed:
                     extra = f", plus {allowed:,} bytes of integer bookkeeping" if allowed else ""
+                    floats = {id(x): x for x in _held_tensors(cache) if x.is_floating_point()}.values()
+                    shown = sum(x.numel() * x.element_size() for x in floats)  # what the tensors themselves span
+                    views = (f"; the tensors it holds show only {shown / per_token:.3g} tokens' worth: they are views "
+                             "into larger storage, which stays alive with them") if shown < held - allowed else ""
                     first[prop] = (f"after {t + 1} token{'s' if t else ''}, the cache keeps {held:,} bytes of storage "
                                    f"alive (kvlib.check.storage_bytes): it holds {(held - allowed) / per_token:.3g} "
-                                   f"tokens' worth, the window is {W} ({W * per_token:,} bytes{extra})")
+                                   f"tokens' worth, the window is {W} ({W * per_token:,} bytes{extra}){views}")
             prop = WINDOW_PROPERTIES[2]
             if prop not in first:
                 seen = getattr(cache, "tokens_seen", None)
