@@ -15,6 +15,14 @@ pytestmark = pytest.mark.cpu_only("torch.compile's C++ backend on the CPU (induc
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32: the fused loops may sum in another order
 
 
+def served(model, prompts: list[list[int]], new: int, blocks: int) -> dict:
+    """Every prompt's tokens from one `Engine` run (blocks of 4, 6 tokens a step)."""
+    eng = Engine(model, PagedCache.for_model(model, num_blocks=blocks, block_size=4), token_budget=6)
+    for p in prompts:
+        eng.add(p, max_new_tokens=new)
+    return eng.run()
+
+
 @pytest.fixture(scope="module")
 def pair():
     """A small model and its piecewise-compiled copy (compiled once for the module: about 10 s)."""
@@ -41,12 +49,7 @@ def test_prefill_and_decode_logits_equal_the_eager_model(pair):
 def test_the_engine_gives_the_eager_tokens(pair):
     eager, comp = pair
     prompts = [[5, 9, 14], [3, 1, 4, 1, 5, 9, 2, 6], [7], [8, 8, 2, 40, 41]]
-    outs = []
-    for model in pair:
-        eng = Engine(model, PagedCache.for_model(model, num_blocks=32, block_size=4), token_budget=6)
-        for p in prompts:
-            eng.add(p, max_new_tokens=6)
-        outs.append(eng.run())
+    outs = [served(model, prompts, new=6, blocks=32) for model in pair]
     assert outs[0] == outs[1]
     assert generate(comp, torch.tensor([prompts[1]]), 5).tolist() == generate(eager, torch.tensor([prompts[1]]), 5).tolist()
 
@@ -126,10 +129,4 @@ def test_a_prepacked_model_compiles_around_its_onednn_products():
         comp(tokens[:, 8:9], caches[1])
     assert Count.n == 4 * 2 + 1  # wqkv, wo, w_gate_up, w_down in each block, and the tied head
     prompts = [[5, 9, 14], [3, 1, 4, 1, 5, 9, 2, 6], [7]]
-    outs = []
-    for model in (eager, comp):
-        eng = Engine(model, PagedCache.for_model(model, num_blocks=16, block_size=4), token_budget=6)
-        for p in prompts:
-            eng.add(p, max_new_tokens=5)
-        outs.append(eng.run())
-    assert outs[0] == outs[1]
+    assert served(comp, prompts, new=5, blocks=16) == served(eager, prompts, new=5, blocks=16)
